@@ -1,0 +1,20 @@
+# The commands README.md gives: `make demo` runs the main job, `make test` runs the tests.
+.PHONY: setup test lint demo bench
+
+setup:
+	scripts/setup.sh test
+
+lint: setup
+	.venv/bin/ruff check .
+
+test: setup
+	scripts/setup-tf-oracle.sh >/dev/null
+	.venv/bin/ruff check .
+	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+demo:
+	scripts/setup.sh
+	scripts/demo.sh
+
+bench: setup
+	.venv/bin/python -m bench.convert_bench

@@ -1,0 +1,376 @@
+"""API load benchmark on loopback: ckptconv's submit and status paths next to a bare FastAPI +
+Redis + Celery hot path, measured in the same run.
+
+    .venv/bin/python -m bench.api_load [--duration 10] [--runs 3] [--connections 50]
+
+Both sides run 2 uvicorn workers against the same Redis; 50 connections load them with ``wrk``
+(``apt-get install wrk``) or, when wrk is missing, an asyncio/httpx generator in its own process
+(which competes for the same two cores, so figures are lower).
+
+- bare POST: pydantic validation, one HSET, one Celery ``send_task``; bare GET: one HGETALL.
+- ckptconv POST /v1/jobs: API-key auth (hashed, cached), validation, scope checks, an
+  Idempotency-Key per request, and one Redis script (record + indexes + idempotency record + the
+  Celery message); GET /v1/jobs/{id}: auth, one HGETALL, the job resource.
+
+No worker runs: messages pile up in queues under a prefix of this run, deleted at the end. Prints
+the median of ``--runs`` runs of each case and the ratios; never asserts on time. Loopback only,
+bounded in time, stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "ckc_bench-" + uuid.uuid4().hex
+SUBMIT_BODY = {
+    "kind": "convert",
+    "source": {"uri": "s3://bench/in/model.safetensors"},
+    "target": {"uri": "s3://bench/out/model.mdl", "format": "cs-h5"},
+    "labels": {"suite": "bench"},
+}
+
+
+# --- the bare hot path (what a minimal service would do) ------------------------------------------
+
+
+class BareRef(BaseModel):
+    uri: str
+    format: str | None = None
+
+
+class BareSubmit(BaseModel):
+    kind: str
+    source: BareRef
+    target: BareRef
+    labels: dict[str, str] = {}
+
+
+def bare_app() -> Any:
+    """FastAPI + one HSET + one Celery publish per POST; one HGETALL per GET."""
+    import gc
+
+    import redis.asyncio
+    from celery import Celery
+    from fastapi import FastAPI
+
+    prefix = os.environ["BENCH_PREFIX"]
+    celery = Celery("bare", broker=os.environ["BENCH_REDIS_URL"])
+    celery.conf.broker_transport_options = {"global_keyprefix": prefix + "q:"}
+    client = redis.asyncio.Redis.from_url(os.environ["BENCH_REDIS_URL"], decode_responses=True)
+
+    app = FastAPI()
+
+    @app.on_event("startup")
+    async def _freeze() -> None:  # same process tuning as ckptconv's API, for a fair comparison
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
+
+    @app.post("/jobs", status_code=202)
+    async def submit(body: BareSubmit) -> dict:
+        job_id = uuid.uuid4().hex
+        await client.hset(f"{prefix}job:{job_id}", mapping={"state": "queued", "request": body.model_dump_json()})
+        celery.send_task("bare.run", args=[job_id], queue="bare")
+        return {"id": job_id, "state": "queued"}
+
+    @app.get("/jobs/{job_id}")
+    async def status(job_id: str) -> dict:
+        return await client.hgetall(f"{prefix}job:{job_id}")
+
+    return app
+
+
+# --- servers ----------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], port: int, logdir: Path) -> None:
+        self.name = name
+        self.port = port
+        self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait()
+
+    def _wait(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log.name}")
+            try:
+                httpx.get(f"http://127.0.0.1:{self.port}/docs", timeout=1)
+                return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- load generators ----------------------------------------------------------------------------
+
+WRK_POST = """
+local counter = 0
+local tid = 0
+local threads = {}
+function setup(thread)
+  thread:set("tid", #threads + 1)
+  table.insert(threads, thread)
+end
+function init(args)
+  tid = wrk.thread:get("tid")
+end
+function request()
+  counter = counter + 1
+  local headers = {}
+  headers["Content-Type"] = "application/json"
+%(auth)s
+  headers["Idempotency-Key"] = "bench-%(run)s-" .. tid .. "-" .. counter
+  return wrk.format("POST", "%(path)s", headers, '%(body)s')
+end
+"""
+
+WRK_GET = """
+wrk.method = "GET"
+wrk.headers["Authorization"] = "Bearer %(key)s"
+"""
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s)", text.strip())
+    if not m:
+        raise ValueError(text)
+    value, unit = float(m.group(1)), m.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def run_wrk(url: str, script: str, duration: float, connections: int, tmp: Path) -> dict[str, float]:
+    path = tmp / f"wrk-{uuid.uuid4().hex[:6]}.lua"
+    path.write_text(script)
+    out = subprocess.run(
+        ["wrk", "-t2", f"-c{connections}", f"-d{int(duration)}s", "--latency", "-s", str(path), url],
+        capture_output=True,
+        text=True,
+        timeout=duration + 60,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    p50 = _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1))
+    p99 = _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1))
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {"rps": rps, "p50_ms": p50, "p99_ms": p99, "non_2xx": int(errors.group(1)) if errors else 0}
+
+
+def _httpx_load(url: str, method: str, headers: dict, body: bytes | None, duration: float, connections: int) -> dict:
+    import httpx
+
+    latencies: list[float] = []
+    errors = 0
+
+    async def one(client: httpx.AsyncClient, worker: int, stop_at: float) -> None:
+        nonlocal errors
+        n = 0
+        while time.monotonic() < stop_at:
+            n += 1
+            h = dict(headers)
+            if method == "POST":
+                h["Idempotency-Key"] = f"bench-httpx-{worker}-{n}-{uuid.uuid4().hex[:6]}"
+            t0 = time.perf_counter()
+            r = await client.request(method, url, headers=h, content=body)
+            latencies.append((time.perf_counter() - t0) * 1000)
+            errors += r.status_code >= 300
+
+    async def main() -> float:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+            t0 = time.monotonic()
+            stop_at = t0 + duration
+            await asyncio.gather(*(one(client, i, stop_at) for i in range(connections)))
+            return time.monotonic() - t0
+
+    elapsed = asyncio.run(main())
+    latencies.sort()
+    q = statistics.quantiles(latencies, n=100)
+    return {"rps": len(latencies) / elapsed, "p50_ms": q[49], "p99_ms": q[98], "non_2xx": errors}
+
+
+def run_httpx(url: str, method: str, headers: dict, body: bytes | None, duration: float, connections: int) -> dict:
+    """The fallback generator, in its own process (so its CPU is not the servers')."""
+    code = (
+        "import json, sys; from bench.api_load import _httpx_load; "
+        "a = json.loads(sys.argv[1]); a['body'] = a['body'].encode() if a['body'] else None; "
+        "print(json.dumps(_httpx_load(**a)))"
+    )
+    args = {
+        "url": url,
+        "method": method,
+        "headers": headers,
+        "body": body.decode() if body else None,
+        "duration": duration,
+        "connections": connections,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)], cwd=ROOT, capture_output=True, text=True, timeout=duration + 120
+    )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement (default 10)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported (default 3)")
+    parser.add_argument("--connections", type=int, default=50)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--generator", choices=["auto", "wrk", "httpx"], default="auto")
+    args = parser.parse_args()
+    args.duration = max(1.0, min(args.duration, 60.0))  # bounded
+    args.runs = max(1, min(args.runs, 5))
+    generator = args.generator if args.generator != "auto" else ("wrk" if shutil.which("wrk") else "httpx")
+
+    import httpx
+    import redis
+
+    from service.auth import hash_key
+
+    tmp = Path(tempfile.mkdtemp(prefix="ckptconv-bench-"))
+    (tmp / "keys.yaml").write_text(
+        f"keys:\n  - name: bench\n    sha256: {hash_key(KEY)}\n    prefixes: ['s3://bench/']\n"
+    )
+    run_id = uuid.uuid4().hex[:8]
+    prefix_ours = f"ckptconv-bench-{run_id}:"
+    prefix_bare = f"ckptconv-bench-bare-{run_id}:"
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ours_env = {
+        **base_env,
+        "CKPTCONV_ENVIRONMENT": "production",
+        "CKPTCONV_WEBHOOK_SECRET": "whsec_YmVuY2gtb25seS1zZWNyZXQtbm90LWZvci11c2U=",
+        "CKPTCONV_REDIS_URL": args.redis_url,
+        "CKPTCONV_REDIS_PREFIX": prefix_ours,
+        "CKPTCONV_API_KEYS_FILE": str(tmp / "keys.yaml"),
+    }
+    bare_env = {**base_env, "BENCH_PREFIX": prefix_bare, "BENCH_REDIS_URL": args.redis_url}
+    uvicorn = [sys.executable, "-m", "uvicorn", "--factory", "--workers", "2", "--log-level", "warning"]
+    uvicorn += ["--no-access-log", "--host", "127.0.0.1"]
+    servers: list[Server] = []
+    results: dict[str, list[dict[str, float]]] = {}
+    try:
+        p_ours, p_bare = free_port(), free_port()
+        ours_args = [*uvicorn, "--port", str(p_ours), "service.app:create_app"]
+        servers.append(Server("ckptconv", ours_args, ours_env, p_ours, tmp))
+        servers.append(
+            Server("bare", [*uvicorn, "--port", str(p_bare), "bench.api_load:bare_app"], bare_env, p_bare, tmp)
+        )
+        ours_url, bare_url = f"http://127.0.0.1:{p_ours}", f"http://127.0.0.1:{p_bare}"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        job_id = httpx.post(ours_url + "/v1/jobs", json=SUBMIT_BODY, headers=auth).raise_for_status().json()["id"]
+        bare_id = httpx.post(bare_url + "/jobs", json=SUBMIT_BODY).raise_for_status().json()["id"]
+        body = json.dumps(SUBMIT_BODY, separators=(",", ":"))
+
+        cases = {
+            "bare POST /jobs": (bare_url + "/jobs", "POST", {}),
+            "ckptconv POST /v1/jobs": (ours_url + "/v1/jobs", "POST", auth),
+            "bare GET /jobs/{id}": (f"{bare_url}/jobs/{bare_id}", "GET", {}),
+            "ckptconv GET /v1/jobs/{id}": (f"{ours_url}/v1/jobs/{job_id}", "GET", auth),
+        }
+        print(
+            f"load generator: {generator}, {args.connections} connections, {args.runs} x {args.duration:g} s per case"
+        )
+        for run in range(args.runs):
+            order = list(cases) if run % 2 == 0 else list(cases)[::-1]  # alternate to spread drift
+            for name in order:
+                url, method, headers = cases[name]
+                if generator == "wrk":
+                    if method == "POST":
+                        path = url.split(":", 2)[2].split("/", 1)[1]
+                        auth_line = f'  headers["Authorization"] = "Bearer {KEY}"' if headers else ""
+                        script = WRK_POST % {
+                            "auth": auth_line,
+                            "run": f"{run_id}{run}",
+                            "path": "/" + path,
+                            "body": body,
+                        }
+                    else:
+                        script = WRK_GET % {"key": KEY} if headers else ""
+                    res = run_wrk(url, script, args.duration, args.connections, tmp)
+                else:
+                    res = run_httpx(
+                        url,
+                        method,
+                        {**headers, "Content-Type": "application/json"},
+                        body.encode() if method == "POST" else None,
+                        args.duration,
+                        args.connections,
+                    )
+                results.setdefault(name, []).append(res)
+                print(
+                    f"  run {run + 1}: {name:<28} {res['rps']:>8.0f} req/s  p50 {res['p50_ms']:6.1f} ms"
+                    f"  p99 {res['p99_ms']:6.1f} ms  non-2xx {res['non_2xx']}",
+                    flush=True,
+                )
+    finally:
+        for s in servers:
+            s.stop()
+        r = redis.Redis.from_url(args.redis_url)
+        for prefix in (prefix_ours, prefix_bare):
+            keys = list(r.scan_iter(match=prefix + "*", count=5000))
+            for i in range(0, len(keys), 1000):
+                r.delete(*keys[i : i + 1000])
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    med = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for name, runs in results.items()}
+    print()
+    print("| hot path | requests/s | p50 | p99 |")
+    print("|---|---|---|---|")
+    for name, m in med.items():
+        print(f"| {name} | {m['rps']:,.0f} | {m['p50_ms']:.1f} ms | {m['p99_ms']:.1f} ms |")
+    submit = med["ckptconv POST /v1/jobs"]["rps"] / med["bare POST /jobs"]["rps"]
+    status = med["ckptconv GET /v1/jobs/{id}"]["rps"] / med["bare GET /jobs/{id}"]["rps"]
+    print()
+    print(f"submit throughput: {submit:.0%} of the bare path (target >= 50%)")
+    print(f"status throughput: {status:.0%} of the bare path (target >= 50%)")
+    worst = max(med["ckptconv POST /v1/jobs"]["p99_ms"], med["ckptconv GET /v1/jobs/{id}"]["p99_ms"])
+    print(f"ckptconv p99: {worst:.1f} ms at worst (target < 60 ms)")
+    out = ROOT / ".bench" / "api_load.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"generator": generator, "median": med, "runs": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

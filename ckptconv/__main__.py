@@ -1,0 +1,5 @@
+import sys
+
+from ckptconv.cli import main
+
+sys.exit(main())

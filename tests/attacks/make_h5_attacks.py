@@ -1,0 +1,154 @@
+"""Generate the Cerebras H5 files of the attack corpus (see README.md beside this script).
+
+Run from the repository root: ``.venv/bin/python tests/attacks/make_h5_attacks.py [OUT_DIR]``
+(default: this directory). Every file is small (a few KiB) and is committed; the tests read the
+committed files and also regenerate them to check that this script still works.
+
+The payloads that "execute code" only run ``echo pwned > ckptconv_attack_marker`` in the current
+directory, so a loader that wrongly executes them leaves a visible, harmless marker file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+MARKER = "ckptconv_attack_marker"
+
+# name -> (error class name expected, when it is raised: "open" | "read")
+EXPECTED: dict[str, tuple[str, str]] = {
+    "h5_no_success.mdl": ("IncompleteCheckpoint", "open"),
+    "h5_truncated.mdl": ("CorruptCheckpoint", "open"),
+    "h5_shape_mismatch.mdl": ("CorruptCheckpoint", "open"),
+    "h5_missing_metadata.mdl": ("CorruptCheckpoint", "open"),
+    "h5_unknown_serializer.mdl": ("UnsupportedFormat", "open"),
+    "h5_external_link.mdl": ("UnsafeCheckpoint", "open"),
+    "h5_bad_lz4_chunk.mdl": ("CorruptCheckpoint", "read"),
+    "h5_bytes_exec.mdl": (None, "read"),  # reads fine: the payload stays opaque, never executed
+    "h5_legacy_spec_exec.mdl": ("UnsafeCheckpoint", "open"),
+}
+
+
+class _RunsShell:
+    """Pickles as a call of os.system: what a malicious checkpoint would carry."""
+
+    def __reduce__(self):
+        return (os.system, (f"echo pwned > {MARKER}",))
+
+
+def exec_pickle() -> bytes:
+    return pickle.dumps(_RunsShell(), protocol=4)
+
+
+def _small_checkpoint(path: Path) -> None:
+    import torch
+
+    from worker.formats.base import Entry
+    from worker.formats.cs_h5 import CsH5Sink
+    from worker.storage import open_storage
+    from worker.tree import flatten
+
+    state = {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}, "step": 3}
+    leaves, spec = flatten(state)
+    entries = [
+        Entry(k, "tensor", str(v.dtype).removeprefix("torch."), tuple(v.shape))
+        if isinstance(v, torch.Tensor)
+        else Entry(k, "value", value=v)
+        for k, v in leaves
+    ]
+    sink = CsH5Sink(open_storage(str(path)), str(path), fsync=False)
+    sink.begin(entries, spec)
+    for k, v in leaves:
+        sink.write(k, v)
+    sink.commit()
+
+
+def make(out: Path) -> list[Path]:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    made: list[Path] = []
+
+    def fresh(name: str) -> Path:
+        p = out / name
+        if p.exists():
+            p.unlink()
+        made.append(p)
+        return p
+
+    p = fresh("h5_no_success.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        del f.attrs["__SUCCESS__"]
+
+    p = fresh("h5_truncated.mdl")
+    _small_checkpoint(p)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+
+    p = fresh("h5_shape_mismatch.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        rec = json.loads(f.attrs["model.w.__metadata__"])
+        rec["model.w.__metadata__"]["shapes"] = [[3, 2]]
+        f.attrs["model.w.__metadata__"] = json.dumps(rec, indent=4)
+        del f["model.w"].attrs["shapes"]
+
+    p = fresh("h5_missing_metadata.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        del f.attrs["model.b.__metadata__"]
+
+    p = fresh("h5_unknown_serializer.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        rec = json.loads(f.attrs["step.__metadata__"])
+        rec["step.__metadata__"]["__TYPE__"] = "EvalSerializer"
+        f.attrs["step.__metadata__"] = json.dumps(rec, indent=4)
+
+    p = fresh("h5_external_link.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        del f["model.b"]
+        f["model.b"] = h5py.ExternalLink("elsewhere.h5", "/secret")
+
+    p = fresh("h5_bad_lz4_chunk.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r") as f:
+        info = f["model.w"].id.get_chunk_info(0)
+    with open(p, "r+b") as fh:
+        fh.seek(info.byte_offset)
+        fh.write((1 << 40).to_bytes(8, "big"))  # claims a 1 TiB chunk
+
+    p = fresh("h5_bytes_exec.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        rec = json.loads(f.attrs["step.__metadata__"])
+        rec["step.__metadata__"] = {"__TYPE__": "ObjectSerializer", "__BYTES__": True, "compressed": False}
+        f.attrs["step.__metadata__"] = json.dumps(rec, indent=4)
+        ds = f.create_dataset("step", data=h5py.Empty("f"), track_order=True)
+        ds.attrs["__TYPE__"] = "ObjectSerializer"
+        ds.attrs["compressed"] = np.bool_(False)
+        ds.attrs["__BYTES__"] = np.frombuffer(exec_pickle(), dtype="V1")
+
+    p = fresh("h5_legacy_spec_exec.mdl")
+    with h5py.File(p, "w") as f:
+        f.attrs["__spec__"] = exec_pickle().hex()
+        f.attrs["__version__"] = 0.4
+        ds = f.create_dataset("w", data=np.zeros(3, np.float32))
+        ds.attrs["__H5_TYPE__"] = "TorchTensorH5Type"
+        ds.attrs["is_bfloat16"] = np.bool_(False)
+    return made
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent
+    for path in make(target):
+        print(f"{path.name}: {path.stat().st_size} bytes")

@@ -1,0 +1,114 @@
+"""Shared fixtures: real services on loopback.
+
+- ``s3_server``: moto's standalone S3 server (a real HTTP endpoint) on a free port, started once
+  per test session; boto3 talks to it through the standard ``AWS_*`` variables, exactly as
+  production talks to AWS S3 or MinIO.
+- ``redis_url``: the Redis at ``REDIS_URL`` (default 127.0.0.1:6379) if it answers, else a
+  ``redis-server`` started for the session on a free port.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """Endpoint URL of a moto S3 server; AWS_* variables point at it for the whole session."""
+    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_port(port)
+        endpoint = f"http://127.0.0.1:{port}"
+        saved = {k: os.environ.get(k) for k in _AWS_VARS}
+        os.environ.update(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        yield endpoint
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+_AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str) -> str:
+    """A fresh, empty bucket on the session's S3 server; returns its name."""
+    import boto3
+
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return name
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    if _redis_answers(url):
+        yield url
+        return
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        _wait_port(port)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -1,0 +1,470 @@
+"""The HTTP API against a real Redis, in process (FastAPI TestClient), without workers.
+
+What needs a worker (jobs running, dry runs answered, webhooks) is in test_e2e_service.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from ckptconv.errors import Unauthorized
+from service.app import create_app
+from service.auth import create_key, hash_key, load_keys_file
+from service.jobstore import JobStore, RedisKeys
+from service.settings import DEFAULT_WEBHOOK_SECRET, Settings
+from service.webhooks import sign, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBLEM = "application/problem+json"
+
+
+def drop_prefix(client: redis.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    for i in range(0, len(keys), 500):
+        client.delete(*keys[i : i + 500])
+
+
+@pytest.fixture
+def api(redis_url: str, tmp_path: Path):
+    prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    settings = Settings(
+        environment="development",
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        plan_timeout_seconds=1.0,
+        storage_probe_uri=str(tmp_path) + "/",
+    )
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = RedisKeys(settings.redis_prefix, settings.broker_prefix)
+    key_a, _ = create_key(r, keys, "team-a", ["s3://bucket/team-a/", "/data/team-a/"])
+    key_b, _ = create_key(r, keys, "team-b", ["s3://bucket/team-b/"])
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            yield SimpleNamespace(
+                client=client,
+                settings=settings,
+                redis=r,
+                keys=keys,
+                a={"Authorization": f"Bearer {key_a}"},
+                b={"Authorization": f"Bearer {key_b}"},
+            )
+    finally:
+        drop_prefix(r, prefix)
+
+
+def job_body(n: int = 0, team: str = "team-a", **extra) -> dict:
+    return {
+        "kind": "convert",
+        "source": {"uri": f"s3://bucket/{team}/in-{n}.safetensors"},
+        "target": {"uri": f"s3://bucket/{team}/out-{n}/model.mdl", "format": "cs-h5"},
+        **extra,
+    }
+
+
+def assert_problem(response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith(PROBLEM)
+    doc = response.json()
+    assert doc["status"] == status and doc["code"] == code, doc
+    assert doc["type"].endswith("/" + code) and doc["title"] and doc["detail"]
+    return doc
+
+
+# --- the process boundary ---------------------------------------------------------------------
+
+
+def test_api_process_never_imports_torch_or_h5py(redis_url: str, tmp_path: Path) -> None:
+    prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    code = f"""
+import sys
+from fastapi.testclient import TestClient
+import ckptconv.client, ckptconv.commands.service, ckptconv.cli
+from service.app import create_app
+from service.settings import Settings
+s = Settings(environment="development", auth_disabled=True, redis_url={redis_url!r},
+             redis_prefix={prefix!r}, storage_probe_uri={str(tmp_path)!r})
+with TestClient(create_app(s)) as c:
+    c.get("/readyz").raise_for_status()
+    c.get("/v1/formats").raise_for_status()
+    c.get("/v1/kinds").raise_for_status()
+    c.get("/openapi.json").raise_for_status()
+    c.get("/metrics").raise_for_status()
+    c.post("/v1/jobs", json={{"kind": "convert", "source": {{"uri": "s3://b/x"}},
+                              "target": {{"uri": "s3://b/y.mdl", "format": "cs-h5"}}}}).raise_for_status()
+print(sorted(m for m in ("torch", "h5py", "tensorflow", "safetensors") if m in sys.modules))
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    finally:
+        drop_prefix(redis.Redis.from_url(redis_url), prefix)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# --- submit, get, replay ---------------------------------------------------------------------
+
+
+def test_submit_answers_202_with_location_and_enqueues_only_the_job_id(api) -> None:
+    r = api.client.post("/v1/jobs", json=job_body(labels={"team": "a"}), headers=api.a)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["state"] == "queued" and job["done"] is False and job["attempts"] == 0
+    assert job["target"] == {"uri": "s3://bucket/team-a/out-0/model.mdl", "format": "cs-h5"}
+    assert job["labels"] == {"team": "a"} and job["result"] is None and job["error"] is None
+    assert api.client.get(r.headers["location"], headers=api.a).json() == job
+
+    # The queue holds one Celery protocol-2 message whose only argument is the job id, tagged
+    # with the job id (the worker's heartbeat keeps that tag's delivery alive).
+    raw = api.redis.lrange(api.keys.queue(api.settings.jobs_queue), 0, -1)
+    assert len(raw) == 1
+    msg = json.loads(raw[0])
+    assert msg["headers"]["task"] == "ckptconv.run_job"
+    assert msg["properties"]["delivery_tag"] == job["id"]
+    assert msg["properties"]["delivery_info"]["routing_key"] == api.settings.jobs_queue
+    args, kwargs, _embed = json.loads(base64.b64decode(msg["body"]))
+    assert args == [job["id"]] and kwargs == {}
+    soft, hard = msg["headers"]["timelimit"][1], msg["headers"]["timelimit"][0]
+    assert soft == job["max_runtime_seconds"] and hard > soft
+
+
+def test_idempotency_key_replays_rejects_other_bodies_and_is_per_api_key(api) -> None:
+    h = {**api.a, "Idempotency-Key": "order-1"}
+    first = api.client.post("/v1/jobs", json=job_body(1), headers=h)
+    again = api.client.post("/v1/jobs", json=job_body(1), headers=h)
+    assert first.status_code == again.status_code == 202
+    assert again.content == first.content and again.headers["location"] == first.headers["location"]
+    assert again.headers["idempotent-replayed"] == "true"
+    assert api.redis.llen(api.keys.queue(api.settings.jobs_queue)) == 1  # one job, one message
+
+    assert_problem(api.client.post("/v1/jobs", json=job_body(2), headers=h), 422, "idempotency_key_reused")
+    # The same key from another API key is another request altogether.
+    other = api.client.post(
+        "/v1/jobs", json=job_body(1, team="team-b"), headers={**api.b, "Idempotency-Key": "order-1"}
+    )
+    assert other.status_code == 202 and other.json()["id"] != first.json()["id"]
+
+
+def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
+    # No worker consumes the interactive queue, so a dry run waits plan_timeout_seconds (1 s) and
+    # then answers 503; meanwhile its Idempotency-Key is in flight.
+    h = {**api.a, "Idempotency-Key": "plan-1"}
+    body = job_body(3)
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.setdefault("r", api.client.post("/v1/plans", json=body, headers=h)))
+    t.start()
+    time.sleep(0.3)
+    assert_problem(api.client.post("/v1/plans", json=body, headers=h), 409, "idempotent_request_in_flight")
+    t.join()
+    assert_problem(first["r"], 503, "worker_timeout")
+    # The 503 released the key: a retry runs again (and times out again) instead of replaying.
+    assert_problem(api.client.post("/v1/plans", json=body, headers=h), 503, "worker_timeout")
+
+
+# --- authentication and scopes ----------------------------------------------------------------
+
+
+def test_missing_unknown_and_revoked_keys_are_401(api) -> None:
+    doc = assert_problem(api.client.get("/v1/jobs"), 401, "unauthorized")
+    assert "Bearer" in doc["hint"]
+    r = api.client.get("/v1/jobs", headers={"Authorization": "Bearer ckc_nope"})
+    assert_problem(r, 401, "unauthorized")
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    assert_problem(api.client.get("/v1/jobs", headers={"Authorization": "Basic dTpw"}), 401, "unauthorized")
+
+
+def test_uris_outside_the_keys_prefixes_are_403(api) -> None:
+    outside = job_body(target={"uri": "s3://bucket/team-b/stolen.mdl", "format": "cs-h5"})
+    assert_problem(api.client.post("/v1/jobs", json=outside, headers=api.a), 403, "forbidden")
+    reading = {**job_body(), "source": {"uri": "s3://bucket/team-b/secret.safetensors"}}
+    assert_problem(api.client.post("/v1/jobs", json=reading, headers=api.a), 403, "forbidden")
+    # A string prefix is not fooled by dot segments or by local path normalisation.
+    dots = {**job_body(), "source": {"uri": "s3://bucket/team-a/../team-b/x"}}
+    assert_problem(api.client.post("/v1/jobs", json=dots, headers=api.a), 422, "path_escape")
+    local = {**job_body(), "source": {"uri": "/data/team-a/../../etc/passwd"}}
+    assert_problem(api.client.post("/v1/jobs", json=local, headers=api.a), 422, "path_escape")
+    rel = {**job_body(), "source": {"uri": "data/team-a/x"}}
+    assert_problem(api.client.post("/v1/jobs", json=rel, headers=api.a), 422, "invalid_request")
+    ok = {**job_body(), "source": {"uri": "file:///data/team-a/in.safetensors"}}
+    r = api.client.post("/v1/jobs", json=ok, headers=api.a)
+    assert r.status_code == 202 and r.json()["source"]["uri"] == "/data/team-a/in.safetensors"
+    assert_problem(
+        api.client.get("/v1/inspect", params={"uri": "s3://bucket/team-b/x"}, headers=api.a), 403, "forbidden"
+    )
+
+
+def test_a_key_sees_only_its_own_jobs(api) -> None:
+    job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
+    assert_problem(api.client.get(f"/v1/jobs/{job['id']}", headers=api.b), 404, "not_found")
+    assert_problem(api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.b), 404, "not_found")
+    assert_problem(api.client.get(f"/v1/jobs/{job['id']}/events", headers=api.b), 404, "not_found")
+    assert api.client.get("/v1/jobs", headers=api.b).json()["jobs"] == []
+    assert [j["id"] for j in api.client.get("/v1/jobs", headers=api.a).json()["jobs"]] == [job["id"]]
+
+
+def test_keys_file_principals(tmp_path: Path, redis_url: str) -> None:
+    key = "ckc_from-a-file"
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"keys:\n  - name: ci\n    sha256: {hash_key(key)}\n    prefixes: ['s3://ci/']\n")
+    principals = load_keys_file(path)
+    (p,) = principals.values()
+    assert p.name == "ci" and p.prefixes == ("s3://ci/",)
+    settings = Settings(
+        environment="development",
+        redis_url=redis_url,
+        api_keys_file=path,
+        redis_prefix=f"ckptconv-test-{uuid.uuid4().hex[:10]}:",
+    )
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert_problem(c.get("/v1/jobs", headers={"Authorization": "Bearer ckc_other"}), 401, "unauthorized")
+
+
+# --- validation and unknown routes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"kind": "convert", "source": {"uri": "s3://bucket/team-a/x"}},  # no target
+        {**job_body(), "kind": "teleport"},
+        {**job_body(), "target": {"uri": "s3://bucket/team-a/y", "format": "pdf"}},
+        {**job_body(), "options": {"shard_size": "5 parsecs"}},
+        {**job_body(), "options": {"shard_size": 0}},
+        {**job_body(), "options": {"dtype": "int8"}},
+        {**job_body(), "options": {"typo": 1}},
+        {**job_body(), "surprise": True},
+        {**job_body(), "labels": {"bad key!": "x"}},
+        {**job_body(), "webhook": {"url": "ftp://example.com/hook"}},
+        {**job_body(), "max_runtime_seconds": 0},
+        {**job_body(), "source": {"uri": "http://example.com/x.safetensors"}},
+    ],
+)
+def test_invalid_requests_are_422_problems(api, body: dict) -> None:
+    doc = assert_problem(
+        api.client.post("/v1/jobs", json=body, headers=api.a), 422, body.get("_code", "invalid_request")
+    )
+    assert doc["detail"]
+
+
+def test_malformed_json_unknown_routes_and_methods(api) -> None:
+    r = api.client.post("/v1/jobs", content=b"{not json", headers={**api.a, "content-type": "application/json"})
+    assert_problem(r, 422, "invalid_request")
+    assert_problem(api.client.get("/v1/nothing-here", headers=api.a), 404, "not_found")
+    assert_problem(api.client.get("/v1/jobs/job_00000000000000000000000000000000", headers=api.a), 404, "not_found")
+    assert_problem(api.client.get("/v1/jobs/not-an-id", headers=api.a), 404, "not_found")
+    assert_problem(api.client.delete("/v1/jobs", headers=api.a), 405, "method_not_allowed")
+    assert_problem(api.client.get("/v1/jobs", params={"cursor": "garbage"}, headers=api.a), 422, "invalid_request")
+    assert_problem(api.client.get("/v1/jobs", params={"label": "nocolon"}, headers=api.a), 422, "invalid_request")
+    assert_problem(api.client.get("/v1/jobs", params={"limit": 0}, headers=api.a), 422, "invalid_request")
+
+
+# --- listing ------------------------------------------------------------------------------------
+
+
+def test_listing_filters_and_cursor_pagination(api) -> None:
+    ids = []
+    for i in range(5):
+        labels = {"run": "even" if i % 2 == 0 else "odd"}
+        ids.append(api.client.post("/v1/jobs", json=job_body(i, labels=labels), headers=api.a).json()["id"])
+    newest_first = ids[::-1]
+
+    seen, cursor = [], None
+    for _ in range(5):
+        params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        page = api.client.get("/v1/jobs", params=params, headers=api.a).json()
+        seen += [j["id"] for j in page["jobs"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == newest_first
+
+    even = api.client.get("/v1/jobs", params={"label": "run:even"}, headers=api.a).json()["jobs"]
+    assert [j["id"] for j in even] == [ids[4], ids[2], ids[0]]
+    api.client.post(f"/v1/jobs/{ids[1]}/cancel", headers=api.a)
+    cancelled = api.client.get("/v1/jobs", params={"state": "cancelled"}, headers=api.a).json()["jobs"]
+    assert [j["id"] for j in cancelled] == [ids[1]]
+    queued_odd = api.client.get("/v1/jobs", params={"state": "queued", "label": "run:odd"}, headers=api.a).json()
+    assert [j["id"] for j in queued_odd["jobs"]] == [ids[3]]
+    assert (
+        api.client.get("/v1/jobs", params={"kind": "convert", "limit": 100}, headers=api.a).json()["next_cursor"]
+        is None
+    )
+
+
+# --- cancellation and events -------------------------------------------------------------------
+
+
+def test_cancel_queued_running_and_finished_jobs(api) -> None:
+    store = JobStore(api.redis, api.keys)
+    queued = api.client.post("/v1/jobs", json=job_body(1), headers=api.a).json()
+    r = api.client.post(f"/v1/jobs/{queued['id']}/cancel", headers=api.a)
+    assert r.status_code == 200 and r.json()["state"] == "cancelled" and r.json()["done"]
+    assert r.json()["error"]["code"] == "cancelled"
+    assert api.client.post(f"/v1/jobs/{queued['id']}/cancel", headers=api.a).json()["state"] == "cancelled"
+
+    running = api.client.post("/v1/jobs", json=job_body(2), headers=api.a).json()
+    assert store.transition(running["id"], ("queued",), "running")[0]
+    r = api.client.post(f"/v1/jobs/{running['id']}/cancel", headers=api.a)
+    assert r.json()["state"] == "cancelling" and not r.json()["done"]
+    assert api.redis.hget(api.keys.job(running["id"]), "cancel_requested") == "1"
+
+    done = api.client.post("/v1/jobs", json=job_body(3), headers=api.a).json()
+    store.transition(done["id"], ("queued",), "running")
+    store.transition(done["id"], ("running",), "succeeded", {"result": {"outputs": []}})
+    assert_problem(api.client.post(f"/v1/jobs/{done['id']}/cancel", headers=api.a), 409, "conflict")
+
+
+def test_event_stream_replays_history_and_ends_with_the_job(api) -> None:
+    store = JobStore(api.redis, api.keys)
+    job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
+    events: list[tuple[str, dict]] = []
+
+    def follow() -> None:
+        with api.client.stream("GET", f"/v1/jobs/{job['id']}/events", headers=api.a) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    events.append((name, json.loads(line[5:])))
+
+    t = threading.Thread(target=follow)
+    t.start()
+    time.sleep(0.5)
+    store.transition(job["id"], ("queued",), "running")
+    store.progress(
+        job["id"], {"stage": "converting", "tensors_done": 1, "tensors_total": 2, "bytes_done": 4, "bytes_total": 8}
+    )
+    store.transition(job["id"], ("running",), "succeeded", {"result": {"outputs": []}})
+    t.join(timeout=20)
+    assert not t.is_alive()
+    names = [n for n, _ in events]
+    assert names[0] == "job" and names[-1] == "job" and "progress" in names
+    assert [d["state"] for n, d in events if n == "state"] == ["running", "succeeded"]
+    assert events[-1][1]["state"] == "succeeded" and events[-1][1]["done"]
+
+
+# --- catalog, health, metrics ------------------------------------------------------------------
+
+
+def test_catalog_health_and_metrics(api) -> None:
+    formats = {f["name"]: f for f in api.client.get("/v1/formats").json()["formats"]}
+    assert {"cs-h5", "safetensors", "torch", "tf", "cs-s3"} <= set(formats)
+    assert formats["cs-h5"]["read"] and formats["cs-h5"]["write"]
+    kinds = {k["name"]: k for k in api.client.get("/v1/kinds").json()["kinds"]}
+    assert "shard_size" in kinds["convert"]["options_schema"]["properties"]
+    assert api.client.get("/healthz").json() == {"status": "ok"}
+    ready = api.client.get("/readyz").json()
+    assert ready["status"] == "ok" and ready["storage"] == "ok"
+
+    job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
+    api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.a)
+    text = api.client.get("/metrics").text
+    assert 'ckptconv_jobs{state="cancelled"} 1.0' in text
+    assert 'ckptconv_jobs_finished_total{state="cancelled"} 1.0' in text
+    assert f'ckptconv_queue_depth{{queue="{api.settings.jobs_queue}"}} 1.0' in text
+    assert "ckptconv_job_duration_seconds_bucket" in text and "ckptconv_bytes_converted_total" in text
+
+
+def test_readyz_fails_when_storage_does_not_answer(redis_url: str, tmp_path: Path) -> None:
+    settings = Settings(
+        environment="development",
+        auth_disabled=True,
+        redis_url=redis_url,
+        storage_probe_uri="s3://",
+        redis_prefix=f"ckptconv-test-{uuid.uuid4().hex[:10]}:",
+    )
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        assert_problem(c.get("/readyz"), 503, "service_unavailable")
+
+
+# --- settings and webhook signatures -------------------------------------------------------------
+
+
+def test_settings_refuse_development_shortcuts_in_production() -> None:
+    with pytest.raises(ValueError, match="auth_disabled"):
+        Settings(environment="production", auth_disabled=True, webhook_secret="whsec_c2VjcmV0")
+    with pytest.raises(ValueError, match="WEBHOOK_SECRET"):
+        Settings(environment="production")
+    assert Settings(environment="production", webhook_secret="whsec_c2VjcmV0").auth_disabled is False
+    assert Settings(environment="development").webhook_secret.get_secret_value() == DEFAULT_WEBHOOK_SECRET
+
+
+def test_standard_webhooks_signature_round_trip() -> None:
+    secret = "whsec_" + base64.b64encode(b"k" * 32).decode()
+    body = b'{"type":"job.succeeded"}'
+    headers = sign(secret, "msg_1", body)
+    assert headers["webhook-signature"].startswith("v1,")
+    verify(secret, headers, body)
+    with pytest.raises(Unauthorized):
+        verify(secret, headers, body + b" ")
+    with pytest.raises(Unauthorized):
+        verify(secret, sign(secret, "msg_1", body, timestamp=int(time.time()) - 3600), body)
+
+
+def test_webhook_destinations_on_private_networks_are_refused() -> None:
+    from service.webhooks import WebhookRefused, check_destination
+
+    for url in ("http://127.0.0.1:9/hook", "http://10.0.0.1/hook", "http://[::1]/hook", "http://169.254.169.254/"):
+        with pytest.raises(WebhookRefused):
+            check_destination(url, allow_private=False)
+        check_destination(url, allow_private=True)
+    with pytest.raises(WebhookRefused):
+        check_destination("file:///etc/passwd", allow_private=True)
+
+
+def test_keys_command_creates_lists_and_revokes_hashed_keys(redis_url: str) -> None:
+    prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "CKPTCONV_ENVIRONMENT": "development",
+        "CKPTCONV_REDIS_URL": redis_url,
+        "CKPTCONV_REDIS_PREFIX": prefix,
+    }
+
+    def ckptconv(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ckptconv", "keys", *args], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        created = ckptconv("create", "--name", "team-a", "--prefix", "s3://bucket/team-a/")
+        assert created.returncode == 0, created.stderr
+        key = created.stdout.strip()
+        assert key.startswith("ckc_") and len(key) > 40
+        stored = r.hgetall(RedisKeys(prefix).api_key(hash_key(key)))
+        assert stored["name"] == "team-a" and key not in json.dumps(stored)  # only the hash is kept
+        listed = ckptconv("list").stdout
+        assert "team-a" in listed and "s3://bucket/team-a/" in listed and key not in listed
+        key_id = listed.split()[0]
+        assert ckptconv("revoke", key_id).returncode == 0
+        assert not r.exists(RedisKeys(prefix).api_key(hash_key(key)))
+        assert ckptconv("revoke", key_id).returncode == 2
+    finally:
+        drop_prefix(r, prefix)
+
+
+def test_an_unreachable_redis_is_a_503_problem() -> None:
+    from conftest import free_port  # the suite's conftest, as pytest loaded it
+
+    settings = Settings(environment="development", auth_disabled=True, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        assert_problem(c.get("/readyz"), 503, "service_unavailable")
+        r = c.post("/v1/jobs", json=job_body())
+        assert_problem(r, 503, "service_unavailable")
+        assert r.headers["retry-after"]

@@ -1,0 +1,188 @@
+"""The service's job kinds beyond ``convert`` end to end: a real API process, a real Celery worker
+process and real Redis run ``verify``, ``simulate``, ``fix-spec``, ``dataloader-state`` (and a
+``convert`` to TensorFlow) on local files, and the results recorded on the jobs are checked
+against the files the worker wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+import yaml
+from test_dataloader_state import iter_dir, old_checkpoint
+from test_e2e_service import Service, bucket  # noqa: F401 - bucket is a fixture the service needs
+from test_fix_spec import gpt_tree, tsd_class, write_legacy  # noqa: F401 - tsd_class is a fixture
+from test_simulator_trainer import config as trainer_config
+
+from ckptconv.errors import Forbidden, InvalidRequest
+from worker.formats.cs_h5 import CsH5Source
+from worker.storage import open_storage
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("jobkinds").resolve()
+
+
+@pytest.fixture(scope="module")
+def service(redis_url: str, bucket: str, root: Path) -> Iterator[Service]:  # noqa: F811
+    (root / "svc").mkdir()
+    # Local paths are URIs like any other: the key's prefixes must cover them.
+    svc = Service(redis_url, bucket, root / "svc", prefixes=[str(root / "data") + "/"])
+    try:
+        svc.start_worker()
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture
+def data(root: Path, request: pytest.FixtureRequest) -> Path:
+    d = root / "data" / request.node.name
+    d.mkdir(parents=True)
+    return d
+
+
+def run(svc: Service, source: str, target: str | None = None, **kw) -> dict:
+    with svc.client() as c:
+        job = c.submit(source, target, **kw)
+        return c.wait(job["id"], timeout=120)
+
+
+def tiny_llama(path: Path, seed: int) -> Path:
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_verify_passes_for_a_conversion_and_fails_with_the_numbers_for_another_model(
+    service: Service, data: Path
+) -> None:
+    from worker.layouts.api import convert_model
+
+    hf = tiny_llama(data / "hf", seed=0)
+    result = convert_model(str(hf), str(data / "cs"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
+    mdl = next(o.uri for o in result.outputs if o.uri.endswith(".mdl"))
+    cfg = next(o.uri for o in result.outputs if o.uri.endswith(".yaml"))
+
+    job = run(service, mdl, kind="verify", options={"hf": str(hf), "config": cfg, "model": "llama"})
+    assert job["state"] == "succeeded", job.get("error")
+    r = job["result"]
+    assert r["verdict"] == "pass" and r["passed"] is True and r["tolerance"] == 1e-5
+    assert r["max_abs_diff"] <= 1e-5 and r["max_rel_diff"] <= 1e-5 and r["cosine_similarity"] > 0.999999
+    assert r["outputs"] == [] and set(r["logits"]) == {"logits"}
+
+    other = tiny_llama(data / "other", seed=1)  # same shapes, other weights: the logits differ
+    opts = {"hf": str(other), "config": cfg, "model": "llama"}
+    job = run(service, mdl, kind="verify", options=opts)
+    assert job["state"] == "failed"
+    problem = job["error"]
+    assert problem["code"] == "logit_mismatch", problem
+    details = problem["details"]
+    assert details["verdict"] == "fail" and details["max_abs_diff"] > 1e-5 and details["tolerance"] == 1e-5
+    assert "cosine_similarity" in details and "logits" in details["logits"]
+
+    job = run(service, mdl, kind="verify", options={**opts, "fail_on_mismatch": False})
+    assert job["state"] == "succeeded" and job["result"]["passed"] is False
+
+
+def test_convert_model_with_verify_records_the_simulator_verdict(service: Service, data: Path) -> None:
+    hf = tiny_llama(data / "hf", seed=2)
+    options = {"model": "llama", "src_fmt": "hf", "tgt_fmt": "cs-2.9", "verify": True}
+    job = run(service, str(hf), str(data / "cs"), to="cs-h5", kind="convert-model", options=options)
+    assert job["state"] == "succeeded", job.get("error")
+    sim = job["result"]["simulator"]
+    assert sim["verdict"] == "pass" and sim["max_abs_diff"] <= 1e-5 and sim["cs_checkpoint"] == job["result"]["target"]
+    assert any(o["uri"].endswith(".mdl") for o in job["result"]["outputs"])
+
+
+def test_verify_refuses_uris_outside_the_keys_prefixes(service: Service, data: Path) -> None:
+    with service.client() as c, pytest.raises(Forbidden):
+        c.submit(str(data / "x.mdl"), kind="verify", options={"hf": "/elsewhere", "config": "/c", "model": "llama"})
+    with service.client() as c, pytest.raises(InvalidRequest, match="unknown model"):
+        c.submit(str(data / "x.mdl"), kind="verify", options={"hf": str(data), "config": "/c", "model": "nope"})
+
+
+def test_simulate_lists_the_checkpoints_it_wrote(service: Service, data: Path) -> None:
+    config = data / "params.yaml"
+    config.write_text(yaml.safe_dump(trainer_config(checkpoint={"steps": 2}, max_steps=4)))
+    job = run(service, str(config), kind="simulate", options={"model_dir": str(data / "model")})
+    assert job["state"] == "succeeded", job.get("error")
+    r = job["result"]
+    assert r["global_step"] == 4 and len(r["checkpoints"]) == 2
+    assert [o["uri"] for o in r["outputs"]] == r["checkpoints"]
+    for o in r["outputs"]:
+        path = Path(o["uri"])
+        assert path.is_file() and path.stat().st_size == o["size"] and o["role"] == "checkpoint"
+    assert sorted(p.name for p in (data / "model").glob("*.mdl")) == sorted(Path(u).name for u in r["checkpoints"])
+
+
+def test_fix_spec_repairs_a_legacy_checkpoint(service: Service, data: Path, tsd_class: type) -> None:  # noqa: F811
+    legacy = data / "model.mdl"
+    write_legacy(legacy, gpt_tree(), tsd_class)
+    before = legacy.read_bytes()
+    job = run(service, str(legacy), kind="fix-spec")
+    assert job["state"] == "succeeded", job.get("error")
+    r = job["result"]
+    assert r["output"] == str(data / "model_fixed.mdl") and r["tensor_scalar_dict"] is True
+    assert {link["key"] for link in r["links"]} == {"model.lm_head.weight", "model.transformer_decoder.norm.bias"}
+    assert r["last_epoch"]["lr_scheduler._schedulers.1.last_epoch"] == 150
+    assert legacy.read_bytes() == before
+    [out] = r["outputs"]
+    assert out["uri"] == r["output"] and out["size"] == Path(r["output"]).stat().st_size
+    with h5py.File(r["output"], "r") as f:
+        assert b"TensorScalarDict" not in bytes.fromhex(f.attrs["__spec__"])
+
+    # An explicit target; the same target again is refused (never overwritten).
+    target = str(data / "fixed" / "repaired.mdl")
+    (data / "fixed").mkdir()
+    job = run(service, str(legacy), target, to="cs-h5", kind="fix-spec")
+    assert job["state"] == "succeeded" and job["result"]["output"] == target
+    job = run(service, str(legacy), target, to="cs-h5", kind="fix-spec")
+    assert job["state"] == "failed" and job["error"]["code"] == "target_exists"
+
+
+def test_dataloader_state_is_added_as_the_2_0_entry(service: Service, data: Path) -> None:
+    src = old_checkpoint(data / "old.mdl")
+    states = iter_dir(data)
+    target = str(data / "new.mdl")
+    job = run(service, src, target, to="cs-h5", kind="dataloader-state", options={"iter_dir": str(states)})
+    assert job["state"] == "succeeded", job.get("error")
+    assert job["result"]["extras"]["dataloader"]["samples_streamed"] == 1000 + 1024 + 998
+    # Published with a manifest naming the job, so a re-delivered job finds its finished output.
+    assert json.loads(Path(job["result"]["manifest"]).read_text())["job_id"] == job["id"]
+    with CsH5Source(open_storage(target), target) as out:
+        keys = {e.key for e in out.entries()}
+    assert {"model.w", "model.b", "global_step"} < keys and any(k.startswith("dataloader") for k in keys)
+
+
+def test_convert_to_tensorflow(service: Service, data: Path) -> None:
+    from safetensors.torch import save_file
+
+    from worker.engine import open_source
+
+    tensors = {"a.weight": torch.randn(4, 3), "b.bias": torch.arange(5, dtype=torch.int64)}
+    save_file(tensors, data / "model.safetensors")
+    target = str(data / "tf" / "ckpt")
+    job = run(service, str(data / "model.safetensors"), target, to="tf")
+    assert job["state"] == "succeeded", job.get("error")
+    with open_source(target, "tf") as src:
+        assert {k: src.read(k) for k in tensors}.keys() == tensors.keys()
+        for k, v in tensors.items():
+            assert torch.equal(src.read(k), v)

@@ -1,0 +1,239 @@
+"""The engine end to end: every container pair, local and S3, staging, verification, idempotency."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptconv.errors import Cancelled, TargetExists
+from worker import engine
+from worker.engine import convert, inspect, plan_conversion
+from worker.execute import execute, verify_output
+from worker.formats import sink_class, source_class
+from worker.plan import identity_plan
+from worker.storage import open_storage
+from worker.tree import flatten
+
+CONTAINERS = ["cs-h5", "safetensors", "torch"]
+
+
+def _state_dict() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model.embed.weight": torch.randn(64, 16, generator=g).to(torch.bfloat16),
+        "model.layers.0.w": torch.randn(16, 16, generator=g),
+        "model.layers.0.b": torch.randn(16, generator=g).to(torch.float16),
+        "model.layers.1.w": torch.randn(16, 16, generator=g, dtype=torch.float64),
+        "model.mask": torch.rand(4, 4, generator=g) > 0.5,
+        "model.count": torch.arange(5, dtype=torch.int64),
+        "model.scalar": torch.tensor(3.5),
+    }
+
+
+def write_source(tmp: Path, fmt: str, tree: dict | None = None) -> str:
+    """Write ``tree`` with our own sink of ``fmt`` (formats are tested against their owners elsewhere)."""
+    tree = tree if tree is not None else _state_dict()
+    leaves, spec = flatten(tree)
+    from worker.formats.base import Entry
+
+    entries = []
+    for key, v in leaves:
+        if isinstance(v, torch.Tensor):
+            entries.append(Entry(key, "tensor", str(v.dtype).removeprefix("torch."), tuple(v.shape)))
+        else:
+            entries.append(Entry(key, "value", value=v))
+    uri = str(tmp / {"cs-h5": "src.mdl", "safetensors": "src_st", "torch": "src_pt"}[fmt])
+    sink = sink_class(fmt)(open_storage(uri), uri)
+    sink.begin(entries, spec)
+    for key, v in leaves:
+        sink.write(key, v)
+    sink.commit()
+    return uri
+
+
+def _staged_files(root: Path) -> list[Path]:
+    staging = root / engine.STAGING_DIR
+    return [p for p in staging.rglob("*") if p.is_file()] if staging.exists() else []
+
+
+def read_all(uri: str, fmt: str | None = None) -> dict:
+    src = engine.open_source(uri, fmt)
+    try:
+        out = {}
+        for e in src.entries():
+            out[e.key] = e.value if e.kind == "value" else src.read(e.target if e.kind == "link" else e.key)
+        return out
+    finally:
+        src.close()
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype, k
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("src_fmt", CONTAINERS)
+@pytest.mark.parametrize("dst_fmt", CONTAINERS)
+def test_every_container_pair_round_trips(tmp_path: Path, src_fmt: str, dst_fmt: str) -> None:
+    src = write_source(tmp_path, src_fmt)
+    target = str(tmp_path / ("out.mdl" if dst_fmt == "cs-h5" else "out"))
+    result = convert(src, target, to=dst_fmt)
+    assert result.verify["ok"] is True
+    assert result.verify["entries_checked"] == len(_state_dict())
+    assert_same(read_all(src), read_all(target, dst_fmt))
+    manifest = json.loads(Path(result.manifest).read_text())
+    assert manifest["target"]["format"] == dst_fmt
+    for f in manifest["files"]:
+        assert Path(f["uri"]).stat().st_size == f["size"]
+        assert len(f["sha256"]) == 64
+    assert not _staged_files(tmp_path)
+
+
+def test_cast_dtype_keeps_integers(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "safetensors")
+    out = str(tmp_path / "out.mdl")
+    result = convert(src, out, to="cs-h5", dtype="bfloat16")
+    got = read_all(out)
+    assert got["model.layers.0.w"].dtype == torch.bfloat16
+    assert got["model.count"].dtype == torch.int64
+    assert got["model.mask"].dtype == torch.bool
+    assert any("keep their dtype" in w for w in result.warnings)
+
+
+def test_existing_target_is_refused_and_untouched(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "safetensors")
+    out = tmp_path / "out.mdl"
+    out.write_bytes(b"precious")
+    with pytest.raises(TargetExists):
+        convert(src, str(out), to="cs-h5")
+    assert out.read_bytes() == b"precious"
+
+
+def test_cancel_leaves_nothing(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "safetensors")
+    out = tmp_path / "out"
+    calls = {"n": 0}
+
+    def cancelled() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    with pytest.raises(Cancelled):
+        convert(src, str(out), to="safetensors", cancelled=cancelled)
+    assert not out.exists()
+    assert not _staged_files(tmp_path)
+
+
+def test_same_job_id_is_idempotent(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "safetensors")
+    out = str(tmp_path / "out.mdl")
+    first = convert(src, out, to="cs-h5", job_id="job-1")
+    again = convert(src, out, to="cs-h5", job_id="job-1")
+    assert again.to_dict()["outputs"] == first.to_dict()["outputs"]
+    with pytest.raises(TargetExists):
+        convert(src, out, to="cs-h5", job_id="job-2")
+
+
+def test_interrupted_publication_is_completed_by_a_retry(tmp_path: Path) -> None:
+    """A worker that died after staging and verifying: the retry publishes without converting again."""
+    src = write_source(tmp_path, "safetensors")
+    out = str(tmp_path / "out")
+    storage = open_storage(out)
+    real_publish = engine._publish
+    with pytest.raises(RuntimeError):
+        engine._publish = _raise  # type: ignore[assignment]
+        try:
+            convert(src, out, to="safetensors", job_id="job-x")
+        finally:
+            engine._publish = real_publish  # type: ignore[assignment]
+    assert not Path(out).exists()
+    result = convert(src, out, to="safetensors", job_id="job-x")
+    assert result.verify["ok"]
+    assert_same(read_all(src), read_all(out))
+    assert storage.exists(result.manifest)
+
+
+def _raise(*a, **k):
+    raise RuntimeError("worker died")
+
+
+def test_verification_catches_corrupted_output(tmp_path: Path) -> None:
+    src_uri = write_source(tmp_path, "safetensors")
+    src = engine.open_source(src_uri)
+    plan = identity_plan(src.entries(), src.spec)
+    out = str(tmp_path / "staged")
+    sink = sink_class("safetensors")(open_storage(out), out)
+    digests = execute(plan, src, sink)
+    files = sink.commit()
+    data = next(Path(f.uri) for f in files if f.uri.endswith(".safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF  # flip bits inside the last tensor's bytes
+    data.write_bytes(bytes(raw))
+    report = verify_output(plan, digests, source_class("safetensors")(open_storage(out), out))
+    assert not report.ok
+    assert any("content differs" in m for m in report.mismatches)
+    src.close()
+
+
+def test_plan_and_inspect_read_metadata_only(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "cs-h5")
+    view = plan_conversion(src, to="safetensors", shard_size="1KB")
+    assert view["ok"], view["errors"]
+    assert view["tensors"] == len(_state_dict())
+    assert len(view["shards"]) > 1
+    assert view["estimated_peak_memory_bytes"] >= view["largest_tensor_bytes"]
+    info = inspect(src)
+    assert info["format"] == "cs-h5"
+    assert info["tensors"] == len(_state_dict())
+
+
+def test_plan_reports_unsupported_dtype(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "safetensors", {"w": torch.ones(2, 2, dtype=torch.int8)})
+    view = plan_conversion(src, to="cs-h5")
+    assert not view["ok"]
+    assert view["errors"][0]["code"] == "unsupported_dtype"
+
+
+def test_s3_to_s3_and_back(tmp_path: Path, s3_bucket: str) -> None:
+    src_local = write_source(tmp_path, "safetensors")
+    src = f"s3://{s3_bucket}/in/model"
+    r1 = convert(src_local, src, to="safetensors", shard_size="2KB")
+    assert r1.verify["ok"]
+    mdl = f"s3://{s3_bucket}/out/model.mdl"
+    r2 = convert(src, mdl, to="cs-h5")
+    assert r2.verify["ok"]
+    back = str(tmp_path / "back")
+    convert(mdl, back, to="torch")
+    assert_same(read_all(src_local), read_all(back))
+    storage = open_storage(src)
+    keys = [i.uri for i in storage.list(f"s3://{s3_bucket}/")]
+    assert not [k for k in keys if engine.STAGING_DIR in k], keys
+
+
+def test_concurrent_conversions_do_not_share_staging(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "safetensors")
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            convert(src, str(tmp_path / f"out{i}.mdl"), to="cs-h5")
+        except BaseException as e:  # collected for the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(3):
+        assert_same(read_all(src), read_all(str(tmp_path / f"out{i}.mdl")))

@@ -1,0 +1,203 @@
+"""`ckptconv models / convert-model / convert-config`, the `convert-model` job kind and GET /v1/models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptconv.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def tiny_llama(tmp_path: Path) -> Path:
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_models_list_and_detail(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "llama " in out and "hf, cs-1.9..cs-2.9" in out and "llava" in out and "not convertible" in out
+    assert main(["models", "--json"]) == 0
+    models = {m["name"]: m for m in json.loads(capsys.readouterr().out)["models"]}
+    assert models["sqlcoder"]["family"] == "starcoder" and models["mixtral"]["formats"][1] == "cs-2.3"
+    assert main(["models", "falcon-headless"]) == 0
+    assert "  h.{layer}.self_attention.query_key_value.{wb} <-> " in capsys.readouterr().out
+    assert main(["models", "nope"]) == 2
+    assert "unknown_model" in capsys.readouterr().err
+
+
+def test_convert_model_round_trip(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "convert-model",
+            str(tiny_llama),
+            str(out),
+            "--model",
+            "llama",
+            "--src-fmt",
+            "hf",
+            "--tgt-fmt",
+            "cs-current",
+            "--no-progress",
+            "--verify",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert (out / "model_to_cs-2.9.mdl").exists() and (out / "config_to_cs-2.9.yaml").exists()
+    assert "simulator: pass" in text and "verified: OK" in text
+    rc = main(
+        [
+            "convert-model",
+            str(out / "model_to_cs-2.9.mdl"),
+            str(tmp_path / "back"),
+            "--model",
+            "llama",
+            "--src-fmt",
+            "cs-auto",
+            "--tgt-fmt",
+            "hf",
+            "--config",
+            str(out / "config_to_cs-2.9.yaml"),
+            "--export-safetensors",
+            "--json",
+            "--no-progress",
+        ]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert rc == 0 and result["target"].endswith("model_to_cs-2.9_to_hf")
+    assert {Path(o["uri"]).name for o in result["outputs"]} >= {"model.safetensors", "config.json"}
+    loaded = transformers.LlamaForCausalLM.from_pretrained(result["target"])
+    assert loaded.config.num_key_value_heads == 2
+
+
+def test_convert_model_dry_run_and_errors(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        ["convert-model", str(tiny_llama), "--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", "--dry-run"]
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert rc == 0 and plan["tensors"] == 22 and plan["path"] == ["hf", "cs-2.9"]
+    assert plan["config"]["model"]["name"] == "llama" and plan["estimated_peak_memory_bytes"] > 0
+    assert not (tiny_llama.parent / "model_to_cs-2.9.mdl").exists()
+    # the wrong model: keys match no rule -> a clear error, nothing written
+    rc = main(
+        [
+            "convert-model",
+            str(tiny_llama),
+            str(tmp_path / "o"),
+            "--model",
+            "gpt2",
+            "--src-fmt",
+            "hf",
+            "--tgt-fmt",
+            "cs-2.9",
+            "--config",
+            str(tiny_llama / "config.json"),
+            "--no-progress",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and ("unmatched_keys" in err or "config_conversion_error" in err)
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").glob("*.mdl"))
+    rc = main(["convert-model", str(tiny_llama), "--model", "mixtral", "--src-fmt", "hf", "--tgt-fmt", "cs-2.1"])
+    assert rc == 2 and "no_conversion_path" in capsys.readouterr().err
+
+
+def test_convert_config_cli(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "convert-config",
+            str(tiny_llama / "config.json"),
+            "--model",
+            "llama",
+            "--src-fmt",
+            "hf",
+            "--tgt-fmt",
+            "cs-2.9",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0 and (tmp_path / "config_to_cs-2.9.yaml").exists()
+    capsys.readouterr()
+    rc = main(
+        [
+            "convert-config",
+            str(tmp_path / "config_to_cs-2.9.yaml"),
+            "--model",
+            "llama",
+            "--src-fmt",
+            "cs-2.9",
+            "--tgt-fmt",
+            "hf",
+            "--json",
+        ]
+    )
+    assert rc == 0 and json.loads(capsys.readouterr().out)["config"]["model_type"] == "llama"
+
+
+def test_job_kind_handler_plan_and_run(tiny_llama: Path, tmp_path: Path) -> None:
+    from worker.jobs import context_from_request, handler, plan
+
+    request = {
+        "kind": "convert-model",
+        "source": {"uri": str(tiny_llama)},
+        "target": {"uri": str(tmp_path / "job"), "format": "cs-h5"},
+        "options": {"model": "llama", "src_fmt": "hf", "tgt_fmt": "cs-2.9"},
+    }
+    doc = plan(context_from_request(request))
+    assert doc["ok"] and doc["target"].endswith("job/model_to_cs-2.9.mdl")
+    ctx = context_from_request(request, job_id="job-1")
+    result = handler(ctx.kind).run(ctx)
+    assert result["target"].endswith("model_to_cs-2.9.mdl") and result["verify"]["ok"]
+    again = handler(ctx.kind).run(context_from_request(request, job_id="job-1"))  # redelivery is idempotent
+    assert again["manifest"] == result["manifest"]
+    bad = {**request, "target": {"uri": str(tmp_path / "x"), "format": "safetensors"}}
+    from ckptconv.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest):
+        handler(ctx.kind).run(context_from_request(bad, job_id="job-2"))
+
+
+def test_models_route_is_torch_free(redis_url: str) -> None:
+    code = f"""
+import sys
+from fastapi.testclient import TestClient
+from service.app import create_app
+from service.settings import Settings
+s = Settings(environment="development", auth_disabled=True, redis_url={redis_url!r})
+with TestClient(create_app(s)) as c:
+    r = c.get("/v1/models")
+    assert r.status_code == 200, r.text
+    names = {{m["name"] for m in r.json()["models"]}}
+    assert {{"llama", "bert-q&a", "mpt-headless", "llava"}} <= names
+    d = c.get("/v1/models/gpt-neox").json()
+    assert d["family"] == "gpt-neox" and d["key_rules"], d
+    assert c.get("/v1/models/nope").status_code == 404
+    k = {{k["name"]: k for k in c.get("/v1/kinds").json()["kinds"]}}
+    assert "convert-model" in k
+assert "torch" not in sys.modules, "the API process imported torch"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

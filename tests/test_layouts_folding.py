@@ -1,0 +1,190 @@
+"""muP -> sP folding (checked numerically with the appliance simulator) and LoRA folding."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ckptconv.errors import ConfigConversionError, ConversionError
+from worker.layouts import convert_model
+from worker.layouts.folding import is_mup, mup_fold
+
+transformers = pytest.importorskip("transformers")
+T = transformers
+
+
+def _tiny(model: str):
+    g = torch.Generator().manual_seed(0)
+    if model == "gpt2":
+        m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128))
+    else:
+        m = T.LlamaForCausalLM(
+            T.LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=128,
+            )
+        )
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m.eval()
+
+
+def _to_cs(tmp: Path, model: str) -> tuple[str, dict]:
+    _tiny(model).save_pretrained(tmp / "hf")
+    r = convert_model(str(tmp / "hf"), str(tmp / "cs"), model=model, src_fmt="hf", tgt_fmt="cs-2.9")
+    cfg = next(o.uri for o in r.outputs if o.uri.endswith(".yaml"))
+    return r.target, yaml.safe_load(Path(cfg).read_text())
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_mup_folded_hf_model_computes_what_the_mup_model_computed(tmp_path: Path, model: str) -> None:
+    from worker.simulator.verify import verify
+
+    mdl, doc = _to_cs(tmp_path, model)
+    doc["model"].update(
+        mup_base_hidden_size=32,
+        mup_base_filter_size=64,
+        attention_logits_alpha=0.7,
+        output_logits_alpha=1.3,
+        embeddings_scale=2.5,
+        scale_qk_dot_by_d=True,
+    )
+    mup_cfg = tmp_path / "mup.yaml"
+    mup_cfg.write_text(yaml.safe_dump(doc))
+    r = convert_model(mdl, str(tmp_path / "out"), model=model, src_fmt="cs-2.9", tgt_fmt="hf", config=str(mup_cfg))
+    assert any("muP" in w for w in r.warnings)
+    hf_cfg = json.loads((Path(r.target) / "config.json").read_text())
+    assert hf_cfg["tie_word_embeddings"] is False and not any("mup" in k for k in hf_cfg)
+    # the simulator runs the muP model of the CS checkpoint; transformers runs the folded sP export
+    report = verify(r.target, mdl, str(mup_cfg), model, tolerance=1e-5, rtol=1e-6)
+    assert report["passed"], report["outputs"]
+    # and without folding the models differ (the check can fail)
+    plain = convert_model(
+        mdl,
+        str(tmp_path / "plain"),
+        model=model,
+        src_fmt="cs-2.9",
+        tgt_fmt="hf",
+        config=str(tmp_path / "cs" / "config_to_cs-2.9.yaml"),
+    )
+    assert not verify(plain.target, mdl, str(mup_cfg), model)["passed"]
+
+
+def test_mup_factors_follow_the_reference() -> None:
+    cfg = {
+        "hidden_size": 64,
+        "num_heads": 4,
+        "mup_base_hidden_size": 16,
+        "attention_logits_alpha": 2.0,
+        "output_logits_alpha": 3.0,
+        "embeddings_scale": 5.0,
+        "share_embedding_weights": True,
+    }
+    f = mup_fold(cfg, "2.9")
+    w = 64 / 16
+    assert f.factor("transformer_decoder.layers.3.self_attn.proj_k_dense_layer.bias")[0] == 2.0 / math.sqrt(16)
+    assert f.factor("lm_head.weight")[0] == 3.0 / w
+    assert f.factor("embedding_layer.word_embeddings.weight")[0] == 5.0
+    assert f.factor("bert_encoder.embedding_layer.position_embeddings.embed.weight")[0] == 5.0
+    assert f.factor("transformer_decoder.layers.0.self_attn.proj_q_dense_layer.weight") is None
+    assert f.config["share_embedding_weights"] is False and "mup_base_hidden_size" not in f.config
+    sqrt_out = mup_fold({**cfg, "scale_output_logits_by_d": False}, "2.9")
+    assert sqrt_out.factor("lm_head.weight")[0] == 3.0 / math.sqrt(w)
+    ln = mup_fold({**cfg, "embedding_layer_norm": True}, "2.9")
+    assert ln.factor("embedding_ln_f.bias")[0] == 5.0 and ln.factor("embedding_layer.word_embeddings.weight") is None
+    old = {
+        "hidden_size": 64,
+        "num_heads": 4,
+        "scale_qk_dot_by_d": True,
+        "embeddings_scale": 2.0,
+        "output_logits_scale": 0.5,
+    }
+    assert is_mup(old, "2.2") and mup_fold(old, "2.2").factor("lm_head.weight")[0] == 0.5
+    with pytest.raises(ConfigConversionError, match="not all"):
+        is_mup({**old, "output_logits_scale": None}, "2.2")
+
+
+def _with_lora(tmp: Path) -> tuple[str, Path, dict]:
+    from worker.engine import open_source
+    from worker.simulator.checkpoint_io import write_checkpoint
+
+    mdl, doc = _to_cs(tmp, "llama")
+    src = open_source(mdl)
+    try:
+        model = {e.key[len("model.") :]: src.read(e.key) for e in src.entries()}
+    finally:
+        src.close()
+    g = torch.Generator().manual_seed(5)
+    q = "transformer_decoder.layers.0.self_attn.proj_q_dense_layer"
+    emb = "embedding_layer.word_embeddings"
+    model[f"{q}.lora_A"], model[f"{q}.lora_B"] = torch.randn(4, 64, generator=g), torch.randn(64, 4, generator=g)
+    model[f"{emb}.lora_A"], model[f"{emb}.lora_B"] = torch.randn(4, 256, generator=g), torch.randn(64, 4, generator=g)
+    lora_mdl = str(tmp / "lora.mdl")
+    write_checkpoint(lora_mdl, {"model": model}, cstorch_version="2.9.0")
+    doc["model"]["lora_params"] = {"r": 4, "alpha": 8, "target_modules": None}
+    doc["model"]["share_embedding_weights"] = True
+    cfg = tmp / "lora.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+    return lora_mdl, cfg, model
+
+
+def test_lora_fold_cs_to_cs_and_to_hf(tmp_path: Path) -> None:
+    lora_mdl, cfg, model = _with_lora(tmp_path)
+    q = "transformer_decoder.layers.0.self_attn.proj_q_dense_layer"
+    emb = "embedding_layer.word_embeddings"
+    with pytest.raises(ConversionError, match="fold-lora"):
+        convert_model(lora_mdl, str(tmp_path / "x"), model="llama", src_fmt="cs-2.9", tgt_fmt="hf", config=str(cfg))
+
+    r = convert_model(
+        lora_mdl,
+        str(tmp_path / "folded"),
+        model="llama",
+        src_fmt="cs-2.9",
+        tgt_fmt="cs-2.9",
+        config=str(cfg),
+        fold_lora=True,
+    )
+    from worker.engine import open_source
+
+    out = open_source(r.target)
+    try:
+        folded = {e.key[len("model.") :]: out.read(e.key) for e in out.entries() if e.key.startswith("model.")}
+    finally:
+        out.close()
+    assert not any("lora" in k for k in folded)
+    want_q = model[f"{q}.weight"] + 2.0 * (model[f"{q}.lora_B"] @ model[f"{q}.lora_A"])
+    torch.testing.assert_close(folded[f"{q}.weight"], want_q)
+    want_e = model[f"{emb}.weight"] + 2.0 * (model[f"{emb}.lora_B"] @ model[f"{emb}.lora_A"]).T
+    torch.testing.assert_close(folded[f"{emb}.weight"], want_e)
+    new_cfg = yaml.safe_load(next(Path(o.uri) for o in r.outputs if o.uri.endswith(".yaml")).read_text())
+    m = new_cfg["trainer"]["init"]["model"] if "trainer" in new_cfg else new_cfg["model"]
+    assert "lora_params" not in m and m["share_embedding_weights"] is False
+
+    hf = convert_model(
+        lora_mdl,
+        str(tmp_path / "hf_out"),
+        model="llama",
+        src_fmt="cs-2.9",
+        tgt_fmt="hf",
+        config=str(cfg),
+        fold_lora=True,
+        export_safetensors=True,
+    )
+    from safetensors.torch import load_file
+
+    sd = load_file(next(Path(hf.target).glob("*.safetensors")))
+    from worker.layouts.transforms import rope_permute
+
+    torch.testing.assert_close(sd["model.layers.0.self_attn.q_proj.weight"], rope_permute(want_q, 16, 16, to_cs=False))
+    torch.testing.assert_close(sd["model.embed_tokens.weight"], want_e)

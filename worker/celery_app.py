@@ -1,0 +1,71 @@
+"""The Celery application of the workers: ``celery -A worker.celery_app worker`` (or ``ckptconv worker``).
+
+Two queues: ``jobs`` (conversions, long) and ``interactive`` (dry runs, inspections, webhook
+deliveries: short). Messages are acknowledged late (after the task ends), one message is reserved at
+a time, and a message whose worker died is re-delivered by the broker after
+``visibility_timeout_seconds`` — while a job runs, its worker keeps pushing that deadline forward
+(heartbeat; see ``worker/tasks.py``), so a running job is never delivered twice.
+
+Importing this module configures nothing and connects nowhere: the application is built on first
+use of ``app`` from the environment's settings, so importing it stays cheap and side-effect free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from service.settings import Settings, get_settings
+
+
+def make_celery(settings: Settings | None = None) -> Celery:
+    settings = settings or get_settings()
+    app = Celery("ckptconv", broker=settings.redis_url, include=["worker.tasks"])
+    restore_every = max(1, min(10, int(settings.visibility_timeout_seconds // 3)))
+    app.conf.update(
+        broker_transport_options={
+            # All of Celery's keys live under our prefix: deployments sharing a Redis stay apart.
+            "global_keyprefix": settings.broker_prefix,
+            "visibility_timeout": settings.visibility_timeout_seconds,
+            # Scan for messages of lost workers every few seconds, not every 100 s (kombu's default
+            # interval x throttle), so a job whose worker died is taken over soon after the timeout.
+            "unacked_restore_interval": restore_every,
+            "unacked_restore_throttle": 1,
+        },
+        broker_connection_retry_on_startup=True,
+        # One direct exchange per queue: a task published by Celery (webhooks) reaches one queue only.
+        task_queues=[
+            Queue(q, Exchange(q, type="direct"), routing_key=q)
+            for q in (settings.jobs_queue, settings.interactive_queue)
+        ],
+        task_default_queue=settings.interactive_queue,
+        task_routes={"ckptconv.run_job": {"queue": settings.jobs_queue}},
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # A task that failed on an infrastructure error (handlers catch everything else) is not
+        # acknowledged, so the broker delivers it again and the job is taken over.
+        task_acks_on_failure_or_timeout=False,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+    )
+    app.conf.ckptconv_settings = settings
+    return app
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # ``celery -A worker.celery_app`` looks up ``app`` (then ``celery``) on this module.
+    global _app
+    if name in ("app", "celery"):
+        if _app is None:
+            _app = make_celery()
+        return _app
+    raise AttributeError(name)

@@ -1,0 +1,29 @@
+"""Job kind ``simulate``: train a few steps on CPU and write checkpoints by the trainer's policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.jobs import JobContext, describe_outputs, report_stage
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    from worker.simulator.trainer import simulate
+
+    o = ctx.options
+    report_stage(ctx, "training")
+    result = simulate(
+        ctx.source["uri"],
+        o.model_dir,
+        o.steps,
+        model=o.model,
+        ckpt_path=o.checkpoint,
+        checkpoint_steps=o.checkpoint_steps,
+        batch_size=o.batch_size,
+        seq_len=o.seq_len,
+        seed=o.seed,
+    )
+    # Retention may have deleted early checkpoints again; list only what is there now.
+    deleted = set(result.get("deleted") or [])
+    written = [u for u in [*result["checkpoints"], *result["state_checkpoints"]] if u not in deleted]
+    return {**result, "outputs": describe_outputs(written, role="checkpoint"), "warnings": list(result["warnings"])}

@@ -1,0 +1,1 @@
+"""Utilities for checkpoints of old Cerebras releases: spec repair and dataloader-state upgrade."""
