@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from worker.memory import bound_allocator
+
+    bound_allocator()  # before any thread starts: see worker.memory
     try:
         rc = args.func(args)
     except CkptconvError as e:

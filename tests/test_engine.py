@@ -220,20 +220,25 @@ def test_s3_to_s3_and_back(tmp_path: Path, s3_bucket: str) -> None:
 
 
 def test_concurrent_conversions_do_not_share_staging(tmp_path: Path) -> None:
+    # Jobs share `.ckptconv-staging/` and each removes it once empty; several rounds make the
+    # window between one job creating it and another removing it likely to be hit.
     src = write_source(tmp_path, "safetensors")
-    errors: list[BaseException] = []
+    for rnd in range(4):
+        errors: list[BaseException] = []
 
-    def run(i: int) -> None:
-        try:
-            convert(src, str(tmp_path / f"out{i}.mdl"), to="cs-h5")
-        except BaseException as e:  # collected for the assertion below
-            errors.append(e)
+        def run(i: int, rnd: int = rnd, errors: list[BaseException] = errors) -> None:
+            try:
+                convert(src, str(tmp_path / f"out{rnd}-{i}.mdl"), to="cs-h5")
+            except BaseException as e:  # collected for the assertion below
+                errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for i in range(3):
-        assert_same(read_all(src), read_all(str(tmp_path / f"out{i}.mdl")))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+    for rnd in range(4):
+        for i in range(4):
+            assert_same(read_all(src), read_all(str(tmp_path / f"out{rnd}-{i}.mdl")))
+    assert not (tmp_path / engine.STAGING_DIR).exists()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from ckptconv.errors import NoConversionPath
+from ckptconv.errors import DataloaderStateError, NoConversionPath
 from worker.layouts import convert_config_dict, convert_model, plan_model
 from worker.layouts.registry import families
 from worker.layouts.upgrades import find_path, parse_format, rename_key, version_to_release
@@ -206,6 +206,68 @@ def test_cs_1_9_to_2_9_checkpoint(tmp_path: Path, inner: str) -> None:
     assert torch.equal(
         hf["transformer.wpe.weight"], state["model"][f"{inner}embedding_layer.position_embeddings.weight"]
     )
+
+
+def _iter_files(d: Path, samples: dict[int, int], step: int = 10) -> Path:
+    d.mkdir()
+    (d / "data_iter_checkpoint_state_file_global").write_text(f"{step}\n")
+    for wrk, n in samples.items():
+        (d / f"data_iter_state_file_worker_{wrk}_step_{step}.txt").write_text(f"{n}\n")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("processor", "expected"),
+    [
+        ("GptHDF5MapDataProcessor", {"dataloader.samples_streamed": 30, "dataloader.seed": 0}),
+        (
+            "GptHDF5DataProcessor",
+            {
+                "dataloader.all_worker_states.0.samples_streamed": 12,
+                "dataloader.all_worker_states.0.shard_index": 0,
+                "dataloader.all_worker_states.1.samples_streamed": 18,
+                "dataloader.all_worker_states.1.shard_index": 1,
+            },
+        ),
+    ],
+)
+def test_cs_1_9_upgrade_folds_in_the_dataloader_files(tmp_path: Path, processor: str, expected: dict) -> None:
+    from worker.engine import open_source
+    from worker.simulator.checkpoint_io import write_checkpoint
+
+    src = str(tmp_path / "checkpoint_10.mdl")
+    write_checkpoint(src, _gpt2_cs_state(""), cstorch_version="1.9.0")
+    doc = {
+        **LEGACY_GPT2,
+        "cerebras": {"save_iter_state_path": str(_iter_files(tmp_path / "iters", {1: 18, 0: 12}))},
+        "train_input": {"data_processor": processor},
+    }
+    cfg = tmp_path / "params.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+
+    plan = plan_model(src, model="gpt2", src_fmt="cs-1.9", tgt_fmt="cs-2.9", config=str(cfg))
+    assert {s.out.key: s.out.value for s in plan.steps if s.out.key.startswith("dataloader.")} == expected
+    r = convert_model(src, str(tmp_path / "out"), model="gpt2", src_fmt="cs-1.9", tgt_fmt="cs-2.9", config=str(cfg))
+    assert any("dataloader state" in w for w in r.warnings)
+    out = open_source(r.target)
+    try:
+        values = {e.key: e.value for e in out.entries() if e.kind == "value"}
+        top = [str(k) for k in out.spec.context]
+    finally:
+        out.close()
+    assert {k: v for k, v in values.items() if k.startswith("dataloader.")} == expected
+    assert top.index("dataloader") < top.index("__metadata__")  # the release record stays last
+
+    # Not from a 2.0 checkpoint (it keeps its own state); missing files are a typed error that says how to go on.
+    newer = str(tmp_path / "checkpoint_2_0.mdl")
+    write_checkpoint(newer, _gpt2_cs_state(""), cstorch_version="2.0.0")
+    plan = plan_model(newer, model="gpt2", src_fmt="cs-2.0", tgt_fmt="cs-2.9", config=str(cfg))
+    assert not [s for s in plan.steps if s.out.key.startswith("dataloader")]
+    doc["cerebras"]["save_iter_state_path"] = str(tmp_path / "nowhere")
+    cfg.write_text(yaml.safe_dump(doc))
+    with pytest.raises(DataloaderStateError, match="nowhere") as err:
+        plan_model(src, model="gpt2", src_fmt="cs-1.9", tgt_fmt="cs-2.9", config=str(cfg))
+    assert "remove cerebras.save_iter_state_path" in (err.value.hint or "")
 
 
 def test_hf_to_old_release_renames(tmp_path: Path) -> None:

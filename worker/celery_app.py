@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_init, worker_process_init
 from kombu import Exchange, Queue
 
 from service.settings import Settings, get_settings
@@ -55,7 +56,17 @@ def make_celery(settings: Settings | None = None) -> Celery:
         task_send_sent_event=False,
     )
     app.conf.ckptconv_settings = settings
+    # Each process that runs jobs bounds its allocator first (see worker.memory): the pool's
+    # children, or the worker itself with the solo and thread pools.
+    worker_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator")
+    worker_process_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator-child")
     return app
+
+
+def _bound_allocator(**_: Any) -> None:
+    from worker.memory import bound_allocator
+
+    bound_allocator()
 
 
 _app: Celery | None = None

@@ -65,7 +65,6 @@ __all__ = [
 STAGING_DIR = ".ckptconv-staging"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SUFFIX = ".manifest.json"
-SHA256_BLOCK = 8 << 20
 
 
 @dataclass
@@ -358,11 +357,7 @@ def _fill_sha256(storage: Storage, outputs: list[OutputFile]) -> list[OutputFile
     done = []
     for o in outputs:
         if o.sha256 is None:
-            h = hashlib.sha256()
-            with storage.open_reader(o.uri) as f:
-                while block := f.read(SHA256_BLOCK):
-                    h.update(block)
-            o = OutputFile(o.uri, o.size, h.hexdigest(), o.role)
+            o = OutputFile(o.uri, o.size, storage.sha256(o.uri), o.role)
         done.append(o)
     return done
 

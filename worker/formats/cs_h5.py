@@ -59,6 +59,7 @@ from worker.formats.cs_serializers import (
     parse_root_spec,
     root_spec_text,
 )
+from worker.storage.local import ensure_parent_dir
 from worker.tree import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,7 @@ class CsH5Sink(CerebrasSink):
             raise TargetExists(f"{self.uri} already exists")
         local = self.storage.local_path(self.uri)
         if local is not None:
-            local.parent.mkdir(parents=True, exist_ok=True)
+            ensure_parent_dir(str(local))
             self._tmp_path = f"{local}.{uuid.uuid4().hex[:8]}.tmp"
         else:
             _sweep_stale_temp()
@@ -366,8 +367,9 @@ class CsH5Sink(CerebrasSink):
                 self.storage.publish([(self._tmp_path, self.uri)])
             else:
                 with open(self._tmp_path, "rb") as src, self.storage.open_writer(self.uri) as w:
-                    while block := src.read(8 << 20):
-                        w.write(block)
+                    buf = memoryview(bytearray(8 << 20))  # reused: see Storage.sha256
+                    while n := src.readinto(buf):
+                        w.write(buf[:n])
         except BaseException:
             self.abort()
             raise

@@ -87,14 +87,17 @@ def lz4_encode_into(src: memoryview, out: bytearray, mode: str = "always") -> in
         raise ValueError("chunk size out of range for single-block LZ4 framing")
     _HEADER.pack_into(out, 0, n, n)
     pos = _HEADER.size + _BLOCK.size
+    # Copies go through a memoryview: assigning another object to a bytearray slice first makes a
+    # temporary bytearray of it, an extra allocation and copy per chunk.
+    dst = memoryview(out)
     if mode == "always" or (mode == "auto" and worth_compressing(src)):
         comp = lz4.block.compress(src, mode="default", store_size=False)
         if len(comp) < n:
             _BLOCK.pack_into(out, _HEADER.size, len(comp))
-            out[pos : pos + len(comp)] = comp
+            dst[pos : pos + len(comp)] = comp
             return pos + len(comp)
     _BLOCK.pack_into(out, _HEADER.size, n)
-    out[pos : pos + n] = src
+    dst[pos : pos + n] = src
     return pos + n
 
 

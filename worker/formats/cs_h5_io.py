@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +23,9 @@ import hdf5plugin  # noqa: F401 - registers the LZ4 filter (32004) for h5py's ow
 import numpy as np
 
 from ckptconv.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
-from worker.formats.base import torch_dtype
 from worker.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, stored_chunks
 from worker.formats.cs_serializers import stored_numpy_dtype
+from worker.memory import empty_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -48,47 +47,6 @@ def damaged_as_corrupt(uri: str) -> Iterator[None]:
         raise
     except H5_ERRORS as e:
         raise CorruptCheckpoint(f"{uri}: the HDF5 structure is damaged ({type(e).__name__}: {e})") from None
-
-
-_HUGE = 2 << 20
-_madvise: Any = None
-
-
-def _advise_huge_pages(address: int, length: int) -> None:
-    """Ask Linux for 2 MiB pages on a fresh buffer (one fault per 2 MiB instead of per 4 KiB).
-
-    Faulting in fresh memory page by page is a large part of reading a tensor on virtual
-    machines; where transparent huge pages are set to ``madvise`` this halves it or better. A
-    no-op elsewhere.
-    """
-    global _madvise
-    if _madvise is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _madvise = fn if sys.platform.startswith("linux") else False
-        except (OSError, AttributeError):
-            _madvise = False
-    if not _madvise:
-        return
-    start = (address + _HUGE - 1) & ~(_HUGE - 1)
-    end = (address + length) & ~(_HUGE - 1)
-    if end - start >= _HUGE:
-        _madvise(start, end - start, 14)  # MADV_HUGEPAGE
-
-
-def empty_tensor(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    """An uninitialized CPU tensor, backed by huge pages when it is large enough to matter."""
-    import torch
-
-    t = torch.empty(shape, dtype=torch_dtype(dtype))
-    nbytes = t.numel() * t.element_size()
-    if nbytes >= 4 * _HUGE:
-        _advise_huge_pages(t.data_ptr(), nbytes)
-    return t
 
 
 class H5File:

@@ -246,7 +246,7 @@ class CsS3Source(TensorSource):
     def _read_numeric(self, entry: Entry) -> Any:
         import torch
 
-        from worker.formats.cs_h5_io import empty_tensor
+        from worker.memory import empty_tensor
 
         on_disk = np.dtype(entry.meta["on_disk"])
         want = np.dtype(stored_numpy_dtype(entry.dtype))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptconv.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound, UnsupportedFormat
-from worker.formats.base import Entry, OutputFile, torch_dtype
+from worker.formats.base import Entry, OutputFile
 from worker.tree import TreeSpec
 
 if TYPE_CHECKING:
@@ -410,7 +410,9 @@ def read_slot(storage: Storage, slot: Slot, fd: int | None = None) -> torch.Tens
     """
     import torch
 
-    t = torch.empty(slot.shape, dtype=torch_dtype(slot.dtype))
+    from worker.memory import empty_tensor
+
+    t = empty_tensor(slot.shape, slot.dtype)
     if slot.nbytes == 0:
         return t
     buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")

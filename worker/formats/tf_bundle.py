@@ -563,11 +563,9 @@ class TfSource(TensorSource):
         return data
 
     def _read_tensor(self, key: str, e: BundleEntry) -> torch.Tensor:
-        import torch
+        from worker.memory import empty_tensor
 
-        from worker.formats.base import torch_dtype
-
-        out = torch.empty(e.shape, dtype=torch_dtype(TF_TO_DTYPE[e.dtype]))
+        out = empty_tensor(e.shape, TF_TO_DTYPE[e.dtype])
         if e.size == 0:
             return out
         view = _byte_view(out)
@@ -590,9 +588,7 @@ class TfSource(TensorSource):
         return out
 
     def _read_partitioned(self, key: str, full: BundleEntry) -> torch.Tensor:
-        import torch
-
-        from worker.formats.base import torch_dtype
+        from worker.memory import empty_tensor
 
         shape = full.shape
         boxes: list[tuple[tuple[int, int], ...]] = []
@@ -622,7 +618,7 @@ class TfSource(TensorSource):
                 raise CorruptCheckpoint(f"a slice of {key!r} has {tf_dtype_name(part.dtype)}{list(part.shape)}")
             parts.append((part, box))
         # Allocated only now: the stored slices, whose sizes the data files bound, cover the shape.
-        out = torch.empty(shape, dtype=torch_dtype(TF_TO_DTYPE[full.dtype]))
+        out = empty_tensor(shape, TF_TO_DTYPE[full.dtype])
         for part, box in parts:
             out[tuple(slice(lo, hi) for lo, hi in box)] = self._read_tensor(key, part)
         return out

@@ -67,18 +67,12 @@ def plan(ctx: JobContext) -> dict[str, Any]:
 
 def describe_outputs(uris: list[str], role: str = "data") -> list[dict[str, Any]]:
     """``[{uri, size, sha256, role}]`` of files a handler wrote without the engine (which checksums its own)."""
-    import hashlib
-
     from worker.storage import open_storage
 
     out = []
     for uri in uris:
         storage = open_storage(uri)
-        h = hashlib.sha256()
-        with storage.open_reader(uri) as f:
-            while block := f.read(8 << 20):
-                h.update(block)
-        out.append({"uri": uri, "size": storage.stat(uri).size, "sha256": h.hexdigest(), "role": role})
+        out.append({"uri": uri, "size": storage.stat(uri).size, "sha256": storage.sha256(uri), "role": role})
     return out
 
 

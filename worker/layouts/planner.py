@@ -21,7 +21,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptconv.errors import ConfigConversionError, ConversionError, NoConversionPath, UnmatchedKeys
+from ckptconv.errors import (
+    ConfigConversionError,
+    ConversionError,
+    DataloaderStateError,
+    NoConversionPath,
+    UnmatchedKeys,
+)
 from worker.formats.base import Entry, TensorSource
 from worker.layouts import folding, upgrades
 from worker.layouts.config import (
@@ -393,6 +399,8 @@ def build_plan(
         plan, conf = _plan_export(fam, var, entries, by_key, dict(config), path, req, warnings)
     else:
         plan, conf = _plan_cs_to_cs(fam, var, source, entries, by_key, dict(config), path, req, warnings)
+    if src_node != "hf" and tgt_node != "hf":
+        plan = _with_dataloader_state(plan, dict(config), src_node, tgt_node)
     plan.warnings = _unique(warnings + conf.warnings + plan.warnings)
     plan.config = conf.target
     plan.extras.update(
@@ -702,6 +710,33 @@ def _plan_hf_style(fam, var, source, entries, by_key, config, path, warnings, hf
     plan.unmatched = [to_src[k] for k in mapping.unmatched]
     plan.dropped = [to_src.get(k, k) for k in mapping.dropped] + [e.key for e in state]
     return plan, conf
+
+
+def _with_dataloader_state(plan: Plan, config: dict[str, Any], src_node: str, tgt_node: str) -> Plan:
+    """Fold a 1.9 run's dataloader files into the checkpoint when crossing into 2.0 (as the Model
+    Zoo's converter does since 2.1): the old config's ``cerebras.save_iter_state_path`` names them."""
+    from worker.legacy.dataloader_state import add_dataloader_state, has_dataloader_state, state_from_config
+
+    if not (release_key(upgrades.release_of(src_node)) < (2, 0) <= release_key(upgrades.release_of(tgt_node))):
+        return plan
+    cerebras = config.get("cerebras")
+    path = cerebras.get("save_iter_state_path") if isinstance(cerebras, dict) else None
+    if not path:
+        return plan
+    if has_dataloader_state(plan):
+        return replace(plan, warnings=[*plan.warnings, "the checkpoint already has a dataloader state; kept as is"])
+    try:
+        state = state_from_config(config)
+    except DataloaderStateError as e:
+        raise DataloaderStateError(
+            e.message,
+            hint=(e.hint + "; " if e.hint else "")
+            + "or remove cerebras.save_iter_state_path from the config to convert without the dataloader state",
+        ) from None
+    assert state is not None
+    plan = add_dataloader_state(plan, state)
+    plan.warnings.append(f"the 1.9 dataloader state in {path} was added as the checkpoint's dataloader entry")
+    return plan
 
 
 def upgrades_last_epoch(rest: list[Entry], by_key: Mapping[str, Entry]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 GLOBAL_FILE = "data_iter_checkpoint_state_file_global"
 WORKER_PREFIX = "data_iter_state_file_worker_"
 DATALOADER_KEY = "dataloader"
+METADATA_KEY = "__metadata__"
 MAP, ITERABLE = "map", "iterable"
 # Data processors of 1.9 configs and the loader style their 2.0 successors restore.
 PROCESSOR_TYPES = {"GptHDF5MapDataProcessor": MAP, "GptHDF5DataProcessor": ITERABLE}
@@ -178,12 +179,20 @@ def add_dataloader_state(plan: Plan, state: dict[str, Any]) -> Plan:
         return replace(plan, warnings=[*plan.warnings, "the checkpoint already has a dataloader state; kept as is"])
     leaves, tree_spec = flatten({DATALOADER_KEY: state})
     existing = set(keys)
-    steps = list(plan.steps)
+    added = []
     for key, value in leaves:
         if key in existing:
             raise DataloaderStateError(f"the checkpoint already has a key {key!r}")
-        steps.append(Step(Entry(key, "value", value=value)))
-    new_spec = TreeSpec(spec.type, [*spec.context, DATALOADER_KEY], [*spec.children, tree_spec.children[0]])
+        added.append(Step(Entry(key, "value", value=value)))
+    # Sinks take entries in the spec's order, where the release record comes last.
+    pos = next((i for i, k in enumerate(keys) if k == METADATA_KEY or k.startswith(METADATA_KEY + ".")), len(keys))
+    steps = [*plan.steps[:pos], *added, *plan.steps[pos:]]
+    # Before the release record when there is one: it is appended last, after the whole state.
+    context, children = list(spec.context), list(spec.children)
+    at = context.index(METADATA_KEY) if METADATA_KEY in context else len(context)
+    context.insert(at, DATALOADER_KEY)
+    children.insert(at, tree_spec.children[0])
+    new_spec = TreeSpec(spec.type, context, children)
     return replace(plan, steps=steps, spec=new_spec)
 
 

@@ -87,6 +87,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def ensure_parent_dir(path: str) -> None:
+    """Create the directory holding ``path``.
+
+    Concurrent jobs share ``.ckptconv-staging/`` and each removes it once empty, so it can vanish
+    between ``makedirs`` creating it and creating the job's own subdirectory: try again then.
+    """
+    parent = os.path.dirname(path) or "."
+    for attempt in range(8):
+        try:
+            os.makedirs(parent, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == 7:
+                raise
+
+
 def _temp_name(path: str) -> str:
     return f"{path}.{secrets.token_hex(4)}.tmp"
 
@@ -138,7 +154,7 @@ class LocalWriter(Writer):
         self._state = "open"
         self._info: ObjectInfo | None = None
         with _os_errors(uri, reading=False):
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            ensure_parent_dir(path)
             # Early refusal saves writing gigabytes that commit would refuse anyway.
             if not overwrite and os.path.lexists(path):
                 raise TargetExists(f"{uri} already exists", uri=uri)
@@ -309,7 +325,7 @@ class LocalStorage(Storage):
         for src, dst in pairs:
             src_path, dst_path = local_path_of(src), local_path_of(dst)
             with _os_errors(dst, reading=False):
-                os.makedirs(os.path.dirname(dst_path) or ".", exist_ok=True)
+                ensure_parent_dir(dst_path)
                 try:
                     _place(src_path, dst_path, overwrite=overwrite, uri=dst)
                 except OSError as e:
