@@ -143,7 +143,10 @@ class ConvertOptions(KindOptions):
         return value
 
 
-ModelLayout = Annotated[str, Field(min_length=2, max_length=32, pattern=r"^(hf|cs-\d+\.\d+|cs-auto|cs-current)$")]
+# hf or a Cerebras release; DPO checkpoints of a release add -dpo (and cs-2.1-no-dpo names a plain one).
+ModelLayout = Annotated[
+    str, Field(min_length=2, max_length=32, pattern=r"^(hf|(cs-\d+\.\d+|cs-auto|cs-current)(-dpo|-no-dpo)?)$")
+]
 
 
 @job_kind("convert-model", target="optional")
@@ -180,10 +183,10 @@ class ConvertModelOptions(KindOptions):
     @field_validator("model")
     @classmethod
     def _model(cls, value: str) -> str:
-        from worker.layouts.registry import resolve  # torch-free: tables and key patterns only
+        from worker.layouts.registry import is_known_model  # torch-free: tables and key patterns only
 
         try:
-            resolve(value)
+            is_known_model(value)
         except CkptconvError as e:
             raise ValueError(e.message) from None
         return value
@@ -191,10 +194,10 @@ class ConvertModelOptions(KindOptions):
     @field_validator("src_fmt", "tgt_fmt")
     @classmethod
     def _layout(cls, value: str, info: Any) -> str:
-        from worker.layouts.upgrades import parse_format
+        from worker.layouts.dpo import parse_model_format
 
         try:
-            parse_format(value, side="source" if info.field_name == "src_fmt" else "target")
+            parse_model_format(value, side="source" if info.field_name == "src_fmt" else "target")
         except CkptconvError as e:
             raise ValueError(e.message) from None
         return value

@@ -194,6 +194,8 @@ with TestClient(create_app(s)) as c:
     d = c.get("/v1/models/gpt-neox").json()
     assert d["family"] == "gpt-neox" and d["key_rules"], d
     assert c.get("/v1/models/nope").status_code == 404
+    dpo = c.get("/v1/models/dpo").json()
+    assert dpo["supported"] and dpo["family"] is None and "cs-2.9-dpo" in dpo["formats"] and dpo["key_rules"], dpo
     k = {{k["name"]: k for k in c.get("/v1/kinds").json()["kinds"]}}
     assert "convert-model" in k
 assert "torch" not in sys.modules, "the API process imported torch"
@@ -201,3 +203,16 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_convert_model_options_take_dpo_formats() -> None:
+    from pydantic import ValidationError
+
+    from ckptconv.jobkinds import ConvertModelOptions
+
+    ok = ConvertModelOptions(model="dpo", src_fmt="hf", tgt_fmt="cs-2.9-dpo")
+    assert ok.tgt_fmt == "cs-2.9-dpo"
+    ConvertModelOptions(model="dpo", src_fmt="cs-2.1-no-dpo", tgt_fmt="cs-2.1-dpo")
+    for bad in ({"tgt_fmt": "hf-dpo"}, {"tgt_fmt": "cs-3.1-dpo"}, {"model": "dpr"}):
+        with pytest.raises(ValidationError):
+            ConvertModelOptions(**{"model": "dpo", "src_fmt": "hf", "tgt_fmt": "cs-2.9-dpo", **bad})

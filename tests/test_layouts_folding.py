@@ -188,3 +188,42 @@ def test_lora_fold_cs_to_cs_and_to_hf(tmp_path: Path) -> None:
 
     torch.testing.assert_close(sd["model.layers.0.self_attn.q_proj.weight"], rope_permute(want_q, 16, 16, to_cs=False))
     torch.testing.assert_close(sd["model.embed_tokens.weight"], want_e)
+
+
+@pytest.mark.parametrize("section", ["sparsity", "trainer"])
+def test_sideband_sparsity_nans_become_zeros_on_export(tmp_path: Path, section: str) -> None:
+    from worker.engine import open_source
+    from worker.simulator.checkpoint_io import write_checkpoint
+
+    mdl, doc = _to_cs(tmp_path, "llama")
+    src = open_source(mdl)
+    try:
+        model = {e.key[len("model.") :]: src.read(e.key) for e in src.entries()}
+    finally:
+        src.close()
+    q = "transformer_decoder.layers.0.self_attn.proj_q_dense_layer.weight"
+    pruned = model[q].clone()
+    pruned[::2, 1::3] = float("nan")  # sideband sparsity marks pruned weights as NaN
+    pruned[0, 0] = float("inf")  # only NaN is a mask: other values stay
+    model[q] = pruned
+    sparse = str(tmp_path / "sparse.mdl")
+    write_checkpoint(sparse, {"model": model}, cstorch_version="2.9.0")
+    cfg = tmp_path / "sparse.yaml"
+
+    cfg.write_text(yaml.safe_dump(doc))
+    plain = convert_model(
+        sparse, str(tmp_path / "plain"), model="llama", src_fmt="cs-2.9", tgt_fmt="hf", config=str(cfg)
+    )
+    if section == "sparsity":
+        doc["sparsity"] = {"type": "sideband", "sparsity": 0.5}
+    else:
+        doc = {"trainer": {"init": {"model": doc["model"], "sparsity": {"algorithm": "sideband"}}}}
+    cfg.write_text(yaml.safe_dump(doc))
+    r = convert_model(sparse, str(tmp_path / "hf_out"), model="llama", src_fmt="cs-2.9", tgt_fmt="hf", config=str(cfg))
+    assert any("sideband" in w for w in r.warnings)
+    st = next(Path(r.target).glob("*.bin"))
+    got = torch.load(st, weights_only=True)["model.layers.0.self_attn.q_proj.weight"]
+    before = torch.load(next(Path(plain.target).glob("*.bin")), weights_only=True)
+    assert before["model.layers.0.self_attn.q_proj.weight"].isnan().any()  # without the setting NaN stays
+    assert not got.isnan().any() and got.isinf().sum() == 1
+    assert (got == 0).sum() >= pruned.isnan().sum()

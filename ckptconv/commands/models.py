@@ -78,9 +78,12 @@ def cmd_models(args: argparse.Namespace) -> int:
             print()
             return 0
         print(f"model:    {view['name']}" + (f" (alias of {view['alias_of']})" if view.get("alias_of") else ""))
-        print(f"family:   {view['family']} - {view['description']}")
+        if view["family"] is None:  # a wrapper of another model (dpo)
+            print(f"family:   - ({view['description']})")
+        else:
+            print(f"family:   {view['family']} - {view['description']}")
         print(f"formats:  {', '.join(view['formats'])}")
-        print(f"HF class: {', '.join(view['hf_architectures']) or '-'}")
+        print(f"HF class: {', '.join(view.get('hf_architectures') or []) or '-'}")
         for n in view.get("notes", []):
             print(f"note:     {n}")
         print("key rules (Hugging Face <-> Cerebras):")
@@ -97,6 +100,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     for m in models:
         if not m["supported"]:
             print(f"{m['name']:<{width}}  {'-':<11} not convertible: {m['reason']}")
+            continue
+        if m["family"] is None:  # a wrapper of another model (dpo)
+            print(f"{m['name']:<{width}}  {'-':<11} {m['description']}")
             continue
         alias = f"  (= {m['alias_of']})" if m.get("alias_of") else ""
         print(f"{m['name']:<{width}}  {m['family']:<11} {_formats_short(m['formats'])}{alias}")

@@ -85,6 +85,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     if args.json:
         _print_json(result)
+    elif result["verdict"] == "skipped":
+        print(f"verdict:  SKIPPED ({result['reason']})")
     else:
         print(f"model:    {result['model']} ({result['cs_class']} vs transformers {result['hf_class']})")
         print(f"inputs:   {result['inputs']}")

@@ -23,8 +23,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptconv.errors import ConfigConversionError, InvalidRequest, ObjectNotFound
-from worker.layouts import upgrades
+from worker.layouts import dpo, upgrades
 from worker.layouts.config import dump_cs_yaml, dump_hf_json
+from worker.layouts.dpo import parse_model_format
 from worker.layouts.planner import ConfigResult, Request, build_plan, convert_config_doc
 from worker.layouts.registry import resolve
 from worker.plan import Plan
@@ -132,14 +133,19 @@ def planned_target(source: Any, plan: Plan, config: Any, output_dir: str | None)
     cfg_uri = config if isinstance(config, str) else None
     if cfg_uri is None and plan.extras.get("source_format") == "hf":
         cfg_uri = _find_hf_config(source.uri)
-    return output_names(source, cfg_uri, plan.extras["target_format"], output_dir=output_dir)[0]
+    return output_names(source, cfg_uri, _target_label(plan), output_dir=output_dir)[0]
+
+
+def _target_label(plan: Plan) -> str:
+    """The target format as output names spell it (``cs-2.9``, or ``cs-2.9-dpo`` for a wrapper)."""
+    return plan.extras.get("target_label", plan.extras["target_format"])
 
 
 def output_target(src_uri: str, tgt_fmt: str, config: Any, output_dir: str | None) -> str:
     """The checkpoint target of a conversion, from the request alone (opens the source's metadata)."""
     from worker.engine import open_source
 
-    tgt = upgrades.parse_format(tgt_fmt, side="target")
+    tgt = parse_model_format(tgt_fmt, side="target")
     source = open_source(src_uri)
     try:
         return output_names(source, config if isinstance(config, str) else None, tgt, output_dir=output_dir)[0]
@@ -233,7 +239,7 @@ def convert_model(
         )
         plan, conf = build_plan(source, doc, req)
         tgt_node = plan.extras["target_format"]
-        target, cfg_rel = output_names(source, cfg_uri, tgt_node, output_dir=dst)
+        target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
         if tgt_node == "hf":
             to = "safetensors" if export_safetensors else "torch"
             sink_options: dict[str, Any] = {"shard_size": hf_shard_size}
@@ -272,6 +278,8 @@ def convert_model(
 
 def convert_config_dict(doc: Mapping[str, Any], *, model: str, src_fmt: str, tgt_fmt: str) -> ConfigResult:
     """Convert a config document in memory (no checkpoint involved)."""
+    if model == dpo.MODEL_NAME:
+        return dpo.convert_dpo_config(doc, src_fmt=src_fmt, tgt_fmt=tgt_fmt)
     fam, var = resolve(model)
     src = upgrades.parse_format(src_fmt, side="source")
     if src == "cs-auto":
@@ -297,7 +305,7 @@ def convert_config(
     doc, uri = load_config(config)
     assert doc is not None
     result = convert_config_dict(doc, model=model, src_fmt=src_fmt, tgt_fmt=tgt_fmt)
-    tgt = upgrades.parse_format(tgt_fmt, side="target")
+    tgt = parse_model_format(tgt_fmt, side="target")
     out: dict[str, Any] = {"config": result.target, "warnings": result.warnings, "path": None}
     if result.ignored:
         out["ignored_keys"] = result.ignored

@@ -29,12 +29,13 @@ from ckptconv.errors import (
     UnmatchedKeys,
 )
 from worker.formats.base import Entry, TensorSource
-from worker.layouts import folding, upgrades
+from worker.layouts import dpo, folding, upgrades
 from worker.layouts.config import (
     cs_model_section,
     export_config,
     fill_defaults,
     flat_env,
+    get_path,
     import_config,
     replace_model_section,
 )
@@ -42,7 +43,7 @@ from worker.layouts.expr import evaluate
 from worker.layouts.registry import Family, Variant, release_key, resolve
 from worker.layouts.rules import MappedOutput, map_keys
 from worker.layouts.transforms import TRANSFORMS, lora_fold
-from worker.plan import Plan, Step, Transform
+from worker.plan import IDENTITY, Plan, Step, Transform
 from worker.tree import DICT, LIST, ODICT, TreeSpec, flat_dict_spec, flatten, unflatten, wrap_spec
 
 MODEL = "model"
@@ -369,6 +370,8 @@ def build_plan(
 ) -> tuple[Plan, ConfigResult]:
     """Plan the conversion of ``source`` (metadata only). ``strict`` raises on unmatched keys
     unless ``drop_unmatched_keys``; a dry run passes ``strict=False`` to list them instead."""
+    if req.model == dpo.MODEL_NAME:
+        return dpo.build_dpo_plan(source, config, req, strict=strict)
     fam, var = resolve(req.model)
     entries = source.entries()
     src_node = upgrades.parse_format(req.src_fmt, side="source")
@@ -570,6 +573,9 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
         return Pre(base.keys, lambda vs: scale([inner(vs)]), f"{base.label}; {f[1]} x{f[0]:.6g}")
 
     steps = locality_order(_rule_steps(mapping.outputs, "export", by_key, env, pre_of, lambda k: k))
+    if sideband_sparsity(config):
+        steps = [_zero_nans(s) for s in steps]
+        warnings.append("sideband sparsity: pruned weights (NaN in the checkpoint) are written as 0")
     # A flat HF state dict needs no spec (and a spec would add a ckptconv record to safetensors).
     plan = Plan(steps, None)
     plan.unmatched = [canon_to_src[k] for k in mapping.unmatched]
@@ -584,6 +590,29 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
         )
         plan.dropped += [e.key for e in state]
     return plan, conf
+
+
+def sideband_sparsity(config: Mapping[str, Any]) -> bool:
+    """Whether a CS run config trained with sideband sparsity, which marks pruned weights as NaN."""
+    sections = [config.get("sparsity"), get_path(config, "trainer.init.sparsity", None)]
+    return any(isinstance(sp, Mapping) and "sideband" in (sp.get("type"), sp.get("algorithm")) for sp in sections)
+
+
+def _zero_nans(step: Step) -> Step:
+    """``step`` writing 0 where its floating-point output is NaN."""
+    if step.out.kind not in ("tensor", "array") or not step.inputs or not _is_float(step.out.dtype):
+        return step
+    t = step.transform or IDENTITY
+
+    def fn(values: list[Any]) -> Any:
+        out = t(values)
+        return out.masked_fill(out.isnan(), 0)  # a new tensor: the input may be read again
+
+    return replace(step, transform=Transform(f"{t.name}; NaN->0", fn, dict(t.params), t.peak_factor + 1.0))
+
+
+def _is_float(dtype: str | None) -> bool:
+    return dtype in ("float16", "bfloat16", "float32", "float64")
 
 
 def _plan_cs_to_cs(fam, var, source, entries, by_key, config, path, req, warnings) -> tuple[Plan, ConfigResult]:

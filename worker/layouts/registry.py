@@ -62,6 +62,7 @@ class Variant:
     alias_of: str | None = None
     note: str | None = None
     unsupported: str | None = None  # reason, for names kept only to say why they cannot convert
+    wrapper: bool = False  # wraps another model named by the config (dpo): worker.layouts.dpo
 
 
 @dataclass
@@ -315,6 +316,8 @@ def model_index() -> dict[str, Variant]:
     for name, reason in UNSUPPORTED.items():
         if name not in index:
             index[name] = Variant(name, "", unsupported=reason)
+    for name, note in WRAPPERS.items():
+        index[name] = Variant(name, "", wrapper=True, note=note)
     return index
 
 
@@ -322,10 +325,18 @@ def model_index() -> dict[str, Variant]:
 UNSUPPORTED: dict[str, str] = {
     "llava": "multi-component checkpoints (vision tower + projector + LM in sub-directories) are not supported yet; "
     "convert the language model with --model llama",
-    "dpr": "the Model Zoo registers no converter for DPR; convert each BERT encoder with --model bert",
-    "dpo": "DPO checkpoints (policy_model. / ref_model. wrappers, formats cs-2.X-dpo) are not supported yet; "
-    "convert the policy model with its own family name",
+    "dpr": "DPR packs two Hugging Face directories (q_encoder/, ctx_encoder/: DPRQuestionEncoder and "
+    "DPRContextEncoder) into one Cerebras checkpoint (model.question_encoder.*, model.ctx_encoder.*); "
+    "multi-directory conversions are not supported yet (the Model Zoo registers no converter for it either)",
 }
+
+# Names whose checkpoints wrap another model's layout; the wrapped model comes from the config.
+WRAPPERS: dict[str, str] = {
+    "dpo": "a language model trained with DPO: its keys under policy_model.model. and ref_model.model.; "
+    "the model is the HF config's model_type or the CS config's model.model_name "
+    "(bloom, falcon, gpt2, gptj, gpt-neox, llama, mistral, mpt, santacoder, starcoder)",
+}
+WRAPPER_FORMATS = {"dpo": ["hf", *(f"cs-2.{r}-dpo" for r in range(1, 10)), "cs-2.1-no-dpo"]}
 
 
 def resolve(name: str) -> tuple[Family, Variant]:
@@ -340,7 +351,22 @@ def resolve(name: str) -> tuple[Family, Variant]:
         raise UnknownModel(f"unknown model {name!r}", model=name)
     if v.unsupported:
         raise NoConversionPath(f"model {name!r} cannot be converted: {v.unsupported}", model=name)
+    if v.wrapper:
+        raise NoConversionPath(
+            f"model {name!r} wraps another model and has no layout table of its own",
+            model=name,
+            hint="its conversions go through worker.layouts.dpo",
+        )
     return families()[v.family], v
+
+
+def is_known_model(name: str) -> bool:
+    """Whether ``name`` converts here (a family's name or alias, or a wrapper such as dpo)."""
+    v = model_index().get(name)
+    if v is not None and v.wrapper:
+        return True
+    resolve(name)
+    return True
 
 
 # --- variant tables ---------------------------------------------------------------------------
@@ -481,6 +507,18 @@ def list_models() -> list[dict[str, Any]]:
         if v.unsupported:
             out.append({"name": name, "family": None, "supported": False, "reason": v.unsupported, "formats": []})
             continue
+        if v.wrapper:
+            out.append(
+                {
+                    "name": name,
+                    "family": None,
+                    "supported": True,
+                    "description": "hf <-> cs-2.1-dpo ... cs-2.9-dpo; cs-2.1-no-dpo <-> cs-2.1-dpo",
+                    "formats": WRAPPER_FORMATS[name],
+                    "notes": [v.note],
+                }
+            )
+            continue
         fam = fams[v.family]
         entry: dict[str, Any] = {
             "name": name,
@@ -514,6 +552,15 @@ def _architectures(fam: Family, v: Variant) -> list[str]:
 
 
 def describe_model(name: str) -> dict[str, Any]:
+    wrapped = model_index().get(name)
+    if wrapped is not None and wrapped.wrapper:
+        entry = next(m for m in list_models() if m["name"] == name)
+        entry["key_rules"] = [
+            "model.<key> (the wrapped model's Cerebras key) <-> model.policy_model.model.<key>",
+            "model.ref_model.model.<key>: written as a link to the policy tensor; dropped towards hf / no-dpo",
+        ]
+        entry["dims"] = {}
+        return entry
     fam, v = resolve(name)
     entry = next(m for m in list_models() if m["name"] == v.name)
     rules = fam.rules_for(v)

@@ -236,6 +236,13 @@ def verify(
 
     if tolerance < 0 or rtol < 0:
         raise InvalidRequest("tolerance and rtol must be non-negative")
+    if model == "dpo":
+        return {
+            "verdict": "skipped",
+            "passed": False,
+            "reason": "the simulator has no DPO model (policy + reference); convert the DPO checkpoint to hf "
+            "and verify the language model with its own name",
+        }
     config_doc = read_config(cs_config) if isinstance(cs_config, str) else dict(cs_config)
     cs_cfg = parse_model_config(config_doc, model)
     hf_class, headless = hf_class_for(cs_cfg.model)
