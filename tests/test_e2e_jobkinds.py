@@ -133,6 +133,23 @@ def test_simulate_lists_the_checkpoints_it_wrote(service: Service, data: Path) -
     assert sorted(p.name for p in (data / "model").glob("*.mdl")) == sorted(Path(u).name for u in r["checkpoints"])
 
 
+def test_simulate_reports_steps_and_can_be_cancelled(service: Service, data: Path) -> None:
+    from test_e2e_service import wait_for
+
+    config = data / "params.yaml"
+    config.write_text(yaml.safe_dump(trainer_config(checkpoint={"steps": 1000}, max_steps=100_000)))
+    with service.client() as c:
+        job = c.submit(str(config), kind="simulate", options={"model_dir": str(data / "model")})
+        wait_for(lambda: ((c.get(job["id"]).get("progress") or {}).get("steps_done") or 0) >= 3, timeout=60)
+        progress = c.get(job["id"])["progress"]
+        assert progress["stage"] == "training" and progress["steps_total"] == 100_000
+        assert 0 < progress["fraction"] < 1
+        c.cancel(job["id"])
+        job = c.wait(job["id"], timeout=60)
+    assert job["state"] == "cancelled" and job["error"]["code"] == "cancelled"
+    assert job["progress"]["steps_done"] < 100_000
+
+
 def test_fix_spec_repairs_a_legacy_checkpoint(service: Service, data: Path, tsd_class: type) -> None:  # noqa: F811
     legacy = data / "model.mdl"
     write_legacy(legacy, gpt_tree(), tsd_class)

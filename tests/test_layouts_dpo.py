@@ -15,29 +15,14 @@ from worker.layouts.registry import describe_model, list_models
 
 transformers = pytest.importorskip("transformers")
 
-from test_layouts_families import gpt2_keys, llama_keys, load_dir  # noqa: E402
-
-L, H, NH, V, P = 2, 64, 4, 256, 128
+from test_layouts_families import CASES, V, gpt2_keys, llama_keys, load_dir  # noqa: E402
 
 
 def _tiny(kind: str, path: Path) -> Any:
+    """The family test's tiny model of ``kind``, saved to ``path``."""
     torch.manual_seed(0)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=V,
-            hidden_size=H,
-            intermediate_size=128,
-            num_hidden_layers=L,
-            num_attention_heads=NH,
-            num_key_value_heads=2,
-            max_position_embeddings=P,
-            tie_word_embeddings=False,
-        )
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.GPT2Config(vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=P)
-        model = transformers.GPT2LMHeadModel(cfg)
-    model.eval().save_pretrained(path)
+    model = next(c for c in CASES if c.model == kind).build().eval()
+    model.save_pretrained(path)
     return model
 
 

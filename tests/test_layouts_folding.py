@@ -115,16 +115,22 @@ def test_mup_factors_follow_the_reference() -> None:
         is_mup({**old, "output_logits_scale": None}, "2.2")
 
 
-def _with_lora(tmp: Path) -> tuple[str, Path, dict]:
+def _cs_model(mdl: str) -> dict:
+    """The ``model`` state of a Cerebras checkpoint, keys without ``model.``."""
     from worker.engine import open_source
+
+    src = open_source(mdl)
+    try:
+        return {e.key[len("model.") :]: src.read(e.key) for e in src.entries()}
+    finally:
+        src.close()
+
+
+def _with_lora(tmp: Path) -> tuple[str, Path, dict]:
     from worker.simulator.checkpoint_io import write_checkpoint
 
     mdl, doc = _to_cs(tmp, "llama")
-    src = open_source(mdl)
-    try:
-        model = {e.key[len("model.") :]: src.read(e.key) for e in src.entries()}
-    finally:
-        src.close()
+    model = _cs_model(mdl)
     g = torch.Generator().manual_seed(5)
     q = "transformer_decoder.layers.0.self_attn.proj_q_dense_layer"
     emb = "embedding_layer.word_embeddings"
@@ -192,15 +198,10 @@ def test_lora_fold_cs_to_cs_and_to_hf(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("section", ["sparsity", "trainer"])
 def test_sideband_sparsity_nans_become_zeros_on_export(tmp_path: Path, section: str) -> None:
-    from worker.engine import open_source
     from worker.simulator.checkpoint_io import write_checkpoint
 
     mdl, doc = _to_cs(tmp_path, "llama")
-    src = open_source(mdl)
-    try:
-        model = {e.key[len("model.") :]: src.read(e.key) for e in src.entries()}
-    finally:
-        src.close()
+    model = _cs_model(mdl)
     q = "transformer_decoder.layers.0.self_attn.proj_q_dense_layer.weight"
     pruned = model[q].clone()
     pruned[::2, 1::3] = float("nan")  # sideband sparsity marks pruned weights as NaN

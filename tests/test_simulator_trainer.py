@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from ckptconv.cli import main as cli_main
-from ckptconv.errors import CheckpointError, CheckpointMismatch, InvalidRequest
+from ckptconv.errors import Cancelled, CheckpointError, CheckpointMismatch, InvalidRequest
 from worker.simulator.checkpoint_io import open_checkpoint, read_checkpoint, top_level_keys, write_checkpoint
 from worker.simulator.checkpoint_policy import CheckpointSettings, sort_checkpoints
 from worker.simulator.trainer import simulate
@@ -132,6 +132,21 @@ def test_cadence_counts_from_the_resumed_step(tmp_path: Path) -> None:
     result = simulate(config(checkpoint={"steps": 3}, max_steps=10), str(tmp_path))
     assert result["start_step"] == 4
     assert [os.path.basename(u) for u in result["checkpoints"]] == ["checkpoint_7.mdl", "checkpoint_10.mdl"]
+
+
+def test_steps_are_reported_and_a_cancel_stops_between_steps(tmp_path: Path) -> None:
+    seen: list[tuple[int, int, int]] = []
+    with pytest.raises(Cancelled, match="global step 5"):
+        simulate(
+            config(checkpoint={"steps": 2}, max_steps=10),
+            str(tmp_path),
+            on_step=lambda *a: seen.append(a),
+            cancelled=lambda: len(seen) >= 5,
+        )
+    assert seen == [(g, 0, 10) for g in range(1, 6)]
+    # What was saved before the cancel stays, indexed, and a new run resumes from it.
+    assert index(tmp_path) == ["checkpoint_2.mdl", "checkpoint_4.mdl"]
+    assert simulate(config(checkpoint={"steps": 2}, max_steps=10), str(tmp_path))["start_step"] == 4
 
 
 def test_custom_checkpoint_name(tmp_path: Path) -> None:

@@ -284,7 +284,8 @@ class JobRun:
     def _progress(self, progress: Any) -> None:
         doc = progress.to_dict() if hasattr(progress, "to_dict") else dict(progress)
         total = doc.get("bytes_total") or 0
-        doc["fraction"] = round(doc.get("bytes_done", 0) / total, 4) if total else None
+        if total or "fraction" not in doc:  # a training run reports its own (steps, not bytes)
+            doc["fraction"] = round(doc.get("bytes_done", 0) / total, 4) if total else None
         try:
             self.store.progress(self.job_id, doc)
         except Exception as e:  # progress is advisory: never fail a conversion over it

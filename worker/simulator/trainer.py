@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ckptconv.errors import InvalidRequest
+from ckptconv.errors import Cancelled, InvalidRequest
 from worker.simulator import config as cfg
 from worker.simulator.checkpoint_io import open_checkpoint, read_checkpoint, top_level_keys, write_checkpoint
 from worker.simulator.checkpoint_policy import (
@@ -225,12 +226,17 @@ def simulate(
     stop_after: int | None = None,
     release: str = SIMULATED_RELEASE,
     now: Callable[[], datetime] = datetime.now,
+    on_step: Callable[[int, int, int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Train until global step ``steps`` (the loop's ``max_steps``) and save checkpoints by policy.
 
     ``ckpt_path`` loads a checkpoint explicitly; otherwise, with ``autoload_last_checkpoint``, the
     most recent checkpoint of ``model_dir`` is loaded. ``stop_after`` ends the run after that many
     steps of this invocation without the final-step save, as if the job had been killed.
+    ``on_step(global_step, start_step, max_steps)`` reports each step; ``cancelled()`` is asked
+    before each one and, when true, stops the run with :class:`Cancelled`. Checkpoints already
+    saved stay (each is complete and indexed), as an interrupted appliance run leaves them.
     """
     config_doc = cfg.read_config(config) if isinstance(config, str) else dict(config)
     model_cfg = cfg.parse_model_config(config_doc, model)
@@ -247,26 +253,37 @@ def simulate(
     run = _Run(config_doc, model_cfg, policy, model_dir, release=release, now=now)
     started = time.perf_counter()
     try:
-        result = _train(run, model_cfg, config_doc, max_steps, batch, seq, run_seed, ckpt_path, stop_after)
+        hooks = _Hooks(on_step, cancelled)
+        result = _train(run, model_cfg, config_doc, max_steps, batch, seq, run_seed, ckpt_path, stop_after, hooks)
     finally:
         run.index.release_lock_file()
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 
 
-def _train(run: _Run, model_cfg, config_doc, max_steps, batch, seq, seed, ckpt_path, stop_after) -> dict[str, Any]:
+@dataclass
+class _Hooks:
+    on_step: Callable[[int, int, int], None] | None = None
+    cancelled: Callable[[], bool] | None = None
+
+
+def _train(
+    run: _Run, model_cfg, config_doc, max_steps, batch, seq, seed, ckpt_path, stop_after, hooks: _Hooks
+) -> dict[str, Any]:
     model = build_model(model_cfg, seed=seed)
     threads = torch.get_num_threads()
     if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
         torch.set_num_threads(1)
     try:
-        return _train_model(run, model, model_cfg, config_doc, max_steps, batch, seq, seed, ckpt_path, stop_after)
+        return _train_model(
+            run, model, model_cfg, config_doc, max_steps, batch, seq, seed, ckpt_path, stop_after, hooks
+        )
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_model(
-    run, model, model_cfg, config_doc, max_steps, batch, seq, seed, ckpt_path, stop_after
+    run, model, model_cfg, config_doc, max_steps, batch, seq, seed, ckpt_path, stop_after, hooks: _Hooks
 ) -> dict[str, Any]:
     settings = run.policy.checkpoint
     params = [p for p in model.parameters() if p.requires_grad]
@@ -329,6 +346,11 @@ def _train_model(
         if stop_after is not None and done >= stop_after:
             interrupted = True
             break
+        if hooks.cancelled is not None and hooks.cancelled():
+            raise Cancelled(
+                f"cancelled by request at global step {global_step}",
+                hint=f"checkpoints saved before it stay in {run.model_dir}; autoload resumes from the latest",
+            )
         batch_data = data.batch(samples)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * _MIX + global_step)  # dropout masks depend on the step only
@@ -344,6 +366,8 @@ def _train_model(
         losses.append(float(loss.detach()))
         if should_save(global_step, start=start, end=max_steps, steps=settings.steps):
             run.save(snapshot(), global_step, last_step=global_step == max_steps)
+        if hooks.on_step is not None:
+            hooks.on_step(global_step, start, max_steps)
     return {
         "model": model_cfg.model,
         "cs_class": model_cfg.class_name,
