@@ -133,6 +133,8 @@ def test_plan_shards_names_and_links() -> None:
         ("pytorch_model-00002-of-00002.bin", ["c"], 32),
     ]
     assert plan_shards(entries, None, "safetensors") == [("model.safetensors", ["a", "tied", "b", "c"], 80)]
+    one = plan_shards(entries, None, "safetensors", always_sharded=True)
+    assert one == [("model-00001-of-00001.safetensors", ["a", "tied", "b", "c"], 80)]
     assert SAFETENSORS.index == "model.safetensors.index.json"
     assert TORCH.shard(2, 12) == "pytorch_model-00002-of-00012.bin"
 

@@ -288,7 +288,8 @@ class _File:
 class SafetensorsSink(TensorSink):
     """Writes ``model.safetensors`` or shards + index under a directory/prefix, or one named file.
 
-    Options: ``shard_size`` (bytes or "5GB"; None writes one file). Each finished file is
+    Options: ``shard_size`` (bytes or "5GB"; None writes one file), ``always_sharded`` (shard names
+    and an index even for one shard). Each finished file is
     committed under the sink's URI (a staging prefix the engine publishes); ``abort`` removes
     them all.
     """
@@ -298,9 +299,18 @@ class SafetensorsSink(TensorSink):
     supports_objects = True
     supported_dtypes = frozenset(ST_DTYPES)
 
-    def __init__(self, storage: Storage, uri: str, *, shard_size: int | str | None = None, **options: Any) -> None:
-        super().__init__(storage, uri, shard_size=shard_size, **options)
+    def __init__(
+        self,
+        storage: Storage,
+        uri: str,
+        *,
+        shard_size: int | str | None = None,
+        always_sharded: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(storage, uri, shard_size=shard_size, always_sharded=always_sharded, **options)
         self.shard_size = shard_size
+        self.always_sharded = always_sharded
         self._outputs = OutputSet(storage)
         self._files: list[_File] = []
         self._order: list[str] = []  # keys write() will receive, in order
@@ -331,7 +341,15 @@ class SafetensorsSink(TensorSink):
     def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         self.check(entries)
         by_key = {e.key: e for e in entries}
-        files, index_uri = sink_files(self.storage, self.uri, entries, self.shard_size, "safetensors", _SUFFIXES)
+        files, index_uri = sink_files(
+            self.storage,
+            self.uri,
+            entries,
+            self.shard_size,
+            "safetensors",
+            _SUFFIXES,
+            always_sharded=self.always_sharded,
+        )
         record = build_record(entries, spec)
         weight_map: dict[str, str] = {}
         total = 0

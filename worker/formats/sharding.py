@@ -74,9 +74,12 @@ class ShardNaming:
         """Name of shard ``i`` (1-based) of ``n``."""
         return f"{self.stem}-{i:05d}-of-{n:05d}.{self.ext}"
 
-    def names(self, n: int) -> list[str]:
-        """File names for ``n`` shards: one plain file when ``n == 1`` (as ``save_pretrained`` does)."""
-        return [self.single] if n == 1 else [self.shard(i, n) for i in range(1, n + 1)]
+    def names(self, n: int, *, always_sharded: bool = False) -> list[str]:
+        """File names for ``n`` shards: one plain file when ``n == 1`` (as ``save_pretrained`` does),
+        unless ``always_sharded`` (``-00001-of-00001`` plus an index, as the Model Zoo writes)."""
+        if n == 1 and not always_sharded:
+            return [self.single]
+        return [self.shard(i, n) for i in range(1, n + 1)]
 
 
 SAFETENSORS = ShardNaming("model", "safetensors")
@@ -162,7 +165,9 @@ def resolve_link(key: str, by_key: dict[str, Entry]) -> str | None:
     return key if e is not None else None
 
 
-def plan_shards(entries: list[Entry], limit: int | None, fmt: str) -> list[tuple[str, list[str], int]]:
+def plan_shards(
+    entries: list[Entry], limit: int | None, fmt: str, *, always_sharded: bool = False
+) -> list[tuple[str, list[str], int]]:
     """``[(file name, keys, bytes), ...]`` for writing ``entries`` in format ``fmt``.
 
     Links ride with their target; in safetensors (no aliasing) they cost a full copy, in torch
@@ -176,7 +181,7 @@ def plan_shards(entries: list[Entry], limit: int | None, fmt: str) -> list[tuple
         return n * len(group) if copies_links else n
 
     shards = split_by_size(tie_groups(entries), group_size, limit)
-    names = naming.names(len(shards))
+    names = naming.names(len(shards), always_sharded=always_sharded)
     return [
         (name, [e.key for g in groups for e in g], sum(group_size(g) for g in groups))
         for name, groups in zip(names, shards, strict=True)
@@ -289,11 +294,14 @@ def sink_files(
     shard_size: int | str | None,
     fmt: str,
     file_suffixes: tuple[str, ...],
+    *,
+    always_sharded: bool = False,
 ) -> tuple[list[ShardFile], str | None]:
     """Where a sink writes ``entries``: the files (in writing order) and the index URI, if any.
 
     A URI ending in one of ``file_suffixes`` is the single output file; any other URI is a
-    directory (or S3 prefix) that receives the standard names of :data:`NAMING`.
+    directory (or S3 prefix) that receives the standard names of :data:`NAMING` (shard names and
+    an index even for one shard when ``always_sharded``).
     """
     limit = parse_size(shard_size) if shard_size is not None else None
     data = [e for e in entries if e.is_data or e.kind == "link"]
@@ -306,9 +314,9 @@ def sink_files(
         planned = plan_shards(data, None, fmt)
         return [ShardFile(uri, planned[0][1], planned[0][2])], None
     base = uri.rstrip("/")
-    planned = plan_shards(data, limit, fmt)
+    planned = plan_shards(data, limit, fmt, always_sharded=always_sharded)
     files = [ShardFile(storage.join(base, name), keys, size) for name, keys, size in planned]
-    index = storage.join(base, NAMING[fmt].index) if len(files) > 1 else None
+    index = storage.join(base, NAMING[fmt].index) if len(files) > 1 or always_sharded else None
     return files, index
 
 

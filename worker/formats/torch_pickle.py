@@ -875,7 +875,8 @@ class _FileOut:
 class TorchSink(TensorSink):
     """Writes ``pytorch_model.bin`` or shards + index under a directory/prefix, or one named file.
 
-    Options: ``shard_size`` (bytes or "5GB"; None writes one file). Links share their target's
+    Options: ``shard_size`` (bytes or "5GB"; None writes one file), ``always_sharded`` (shard names
+    and an index even for one shard). Links share their target's
     storage. Values live in ``data.pkl`` (single file) or in the index's ``ckptconv`` record
     (shards). Objects are accepted only as decoded ``pickle`` payloads of values that
     ``weights_only=True`` loads (what :class:`TorchSource` produces for dtypes, bytes, ...), and
@@ -888,9 +889,18 @@ class TorchSink(TensorSink):
     supported_dtypes = None
     zip64_from = 0xFFFFFFFF  # records this large carry zip64 fields (tests lower it)
 
-    def __init__(self, storage: Storage, uri: str, *, shard_size: int | str | None = None, **options: Any) -> None:
-        super().__init__(storage, uri, shard_size=shard_size, **options)
+    def __init__(
+        self,
+        storage: Storage,
+        uri: str,
+        *,
+        shard_size: int | str | None = None,
+        always_sharded: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(storage, uri, shard_size=shard_size, always_sharded=always_sharded, **options)
         self.shard_size = shard_size
+        self.always_sharded = always_sharded
         self._outputs = OutputSet(storage)
         self._files: list[_FileOut] = []
         self._order: list[str] = []
@@ -924,7 +934,9 @@ class TorchSink(TensorSink):
         self.check(entries)
         by_key = {e.key: e for e in entries}
         tensors = [e for e in entries if e.kind in ("tensor", "array", "link")]
-        files, index_uri = sink_files(self.storage, self.uri, tensors, self.shard_size, "torch", _SUFFIXES)
+        files, index_uri = sink_files(
+            self.storage, self.uri, tensors, self.shard_size, "torch", _SUFFIXES, always_sharded=self.always_sharded
+        )
         weight_map: dict[str, str] = {}
         total = 0
         leaves = self._leaves

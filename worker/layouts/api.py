@@ -242,7 +242,8 @@ def convert_model(
         target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
         if tgt_node == "hf":
             to = "safetensors" if export_safetensors else "torch"
-            sink_options: dict[str, Any] = {"shard_size": hf_shard_size}
+            # The Model Zoo always writes shard names and an index, even for one shard.
+            sink_options: dict[str, Any] = {"shard_size": hf_shard_size, "always_sharded": True}
             config_bytes = dump_hf_json(conf.target)
         else:
             to = "cs-h5"
