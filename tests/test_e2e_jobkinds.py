@@ -112,6 +112,26 @@ def test_convert_model_with_verify_records_the_simulator_verdict(service: Servic
     assert any(o["uri"].endswith(".mdl") for o in job["result"]["outputs"])
 
 
+def test_dpr_round_trip_through_the_service(service: Service, data: Path) -> None:
+    from test_layouts_dpr import _dpr
+
+    _dpr(data / "hf")
+    options = {"model": "dpr", "src_fmt": "hf", "tgt_fmt": "cs-2.9"}
+    job = run(service, str(data / "hf"), str(data / "cs"), to="cs-h5", kind="convert-model", options=options)
+    assert job["state"] == "succeeded", job.get("error")
+    mdl = next(o["uri"] for o in job["result"]["outputs"] if o["uri"].endswith(".mdl"))
+    cfg = next(o["uri"] for o in job["result"]["outputs"] if o["uri"].endswith(".yaml"))
+    options = {"model": "dpr", "src_fmt": "cs-2.9", "tgt_fmt": "hf", "config": cfg, "export_safetensors": True}
+    job = run(service, mdl, str(data / "back"), to="safetensors", kind="convert-model", options=options)
+    assert job["state"] == "succeeded", job.get("error")
+    names = {str(Path(o["uri"]).relative_to(job["result"]["target"])) for o in job["result"]["outputs"]}
+    assert {"q_encoder/config.json", "ctx_encoder/model.safetensors.index.json"} <= names, names
+    for o in job["result"]["outputs"]:  # every listed file is where it says, with its size
+        assert Path(o["uri"]).stat().st_size == o["size"]
+    loaded = transformers.DPRContextEncoder.from_pretrained(Path(job["result"]["target"]) / "ctx_encoder")
+    assert loaded.config.model_type == "dpr"
+
+
 def test_verify_refuses_uris_outside_the_keys_prefixes(service: Service, data: Path) -> None:
     with service.client() as c, pytest.raises(Forbidden):
         c.submit(str(data / "x.mdl"), kind="verify", options={"hf": "/elsewhere", "config": "/c", "model": "llama"})

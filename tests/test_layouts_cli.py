@@ -214,6 +214,6 @@ def test_convert_model_options_take_dpo_formats() -> None:
     ok = ConvertModelOptions(model="dpo", src_fmt="hf", tgt_fmt="cs-2.9-dpo")
     assert ok.tgt_fmt == "cs-2.9-dpo"
     ConvertModelOptions(model="dpo", src_fmt="cs-2.1-no-dpo", tgt_fmt="cs-2.1-dpo")
-    for bad in ({"tgt_fmt": "hf-dpo"}, {"tgt_fmt": "cs-3.1-dpo"}, {"model": "dpr"}):
+    for bad in ({"tgt_fmt": "hf-dpo"}, {"tgt_fmt": "cs-3.1-dpo"}, {"model": "llava"}):
         with pytest.raises(ValidationError):
             ConvertModelOptions(**{"model": "dpo", "src_fmt": "hf", "tgt_fmt": "cs-2.9-dpo", **bad})

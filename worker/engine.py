@@ -46,7 +46,7 @@ from worker.execute import (
     verify_output,
 )
 from worker.formats import sink_class, source_class
-from worker.formats.base import OutputFile, TensorSource
+from worker.formats.base import OutputFile, TensorSink, TensorSource
 from worker.plan import Plan, identity_plan
 from worker.storage import open_storage
 from worker.storage.base import Storage
@@ -251,11 +251,15 @@ def run_plan(
     job_id: str | None = None,
     verify: bool = True,
     extras: dict[str, Any] | None = None,
+    sink_factory: Callable[[Storage, str], TensorSink] | None = None,
+    reopen: Callable[[Storage, str], TensorSource] | None = None,
 ) -> ConvertResult:
     """Execute ``plan`` from ``src`` into format ``to`` at ``target``; verify; publish atomically.
 
     ``extra_files`` maps paths relative to the target's parent (e.g. ``config_to_cs-2.9.yaml`` or
     ``x_to_hf/config.json``) to their bytes; they are staged and published with the checkpoint.
+    ``sink_factory`` and ``reopen`` replace the format's sink and source (``(storage, uri)``) for
+    outputs the format alone does not describe (a checkpoint split into component directories).
     """
     check_format(to)
     target = normalize_uri(target)
@@ -272,7 +276,10 @@ def run_plan(
 
     # A previous attempt of this job may have left a partial staging area: start clean.
     _discard(layout)
-    sink = sink_class(to)(storage, layout.sink_uri, **{k: v for k, v in (sink_options or {}).items() if v is not None})
+    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
+    sink = (
+        sink_factory(storage, layout.sink_uri) if sink_factory else sink_class(to)(storage, layout.sink_uri, **options)
+    )
     t0 = time.monotonic()
     try:
         digests = execute(plan, src, sink, reporter=reporter, cancelled=cancelled)
@@ -293,7 +300,7 @@ def run_plan(
             hashed = pool.submit(_fill_sha256, storage, outputs)
             report = None
             if verify:
-                reopened = source_class(to)(storage, layout.sink_uri)
+                reopened = (reopen or source_class(to))(storage, layout.sink_uri)
                 try:
                     report = verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)
                 finally:

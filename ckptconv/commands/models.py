@@ -122,10 +122,10 @@ def cmd_convert_model(args: argparse.Namespace) -> int:
         "fold_mup": not args.no_fold_mup,
     }
     if args.dry_run:
-        from worker.engine import open_source
         from worker.layouts import plan_model
+        from worker.layouts.api import open_model_source
 
-        src = open_source(args.source)
+        src = open_model_source(args.source, args.model, args.src_fmt)
         try:
             plan = plan_model(src, **options)
             sizes = {e.key: e.nbytes for e in src.entries()}

@@ -41,7 +41,6 @@ from worker.formats.base import (
     Entry,
     OpaqueObject,
     OutputFile,
-    TensorSink,
     TensorSource,
     dtype_name,
 )
@@ -49,7 +48,7 @@ from worker.formats.sharding import (
     RECORD_KEY,
     SAFETENSORS,
     LocalFiles,
-    OutputSet,
+    ShardedSink,
     Slot,
     build_record,
     entries_from_record,
@@ -60,7 +59,6 @@ from worker.formats.sharding import (
     read_index,
     read_slot,
     resolve_link,
-    sink_files,
     tensor_view,
 )
 from worker.tree import TreeSpec
@@ -285,7 +283,7 @@ class _File:
     regions: list[_Region]
 
 
-class SafetensorsSink(TensorSink):
+class SafetensorsSink(ShardedSink):
     """Writes ``model.safetensors`` or shards + index under a directory/prefix, or one named file.
 
     Options: ``shard_size`` (bytes or "5GB"; None writes one file), ``always_sharded`` (shard names
@@ -299,19 +297,8 @@ class SafetensorsSink(TensorSink):
     supports_objects = True
     supported_dtypes = frozenset(ST_DTYPES)
 
-    def __init__(
-        self,
-        storage: Storage,
-        uri: str,
-        *,
-        shard_size: int | str | None = None,
-        always_sharded: bool = False,
-        **options: Any,
-    ) -> None:
-        super().__init__(storage, uri, shard_size=shard_size, always_sharded=always_sharded, **options)
-        self.shard_size = shard_size
-        self.always_sharded = always_sharded
-        self._outputs = OutputSet(storage)
+    def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
+        super().__init__(storage, uri, **options)
         self._files: list[_File] = []
         self._order: list[str] = []  # keys write() will receive, in order
         self._next = 0
@@ -341,15 +328,7 @@ class SafetensorsSink(TensorSink):
     def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         self.check(entries)
         by_key = {e.key: e for e in entries}
-        files, index_uri = sink_files(
-            self.storage,
-            self.uri,
-            entries,
-            self.shard_size,
-            "safetensors",
-            _SUFFIXES,
-            always_sharded=self.always_sharded,
-        )
+        files, index_uri = self.shard_files(entries, _SUFFIXES)
         record = build_record(entries, spec)
         weight_map: dict[str, str] = {}
         total = 0

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptconv.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound, UnsupportedFormat
-from worker.formats.base import Entry, OutputFile
+from worker.formats.base import Entry, OutputFile, TensorSink
 from worker.tree import TreeSpec
 
 if TYPE_CHECKING:
@@ -318,6 +318,31 @@ def sink_files(
     files = [ShardFile(storage.join(base, name), keys, size) for name, keys, size in planned]
     index = storage.join(base, NAMING[fmt].index) if len(files) > 1 or always_sharded else None
     return files, index
+
+
+class ShardedSink(TensorSink):
+    """What the Hugging Face style sinks share: a target that is one file or a directory of
+    shards (``shard_size``; ``always_sharded`` writes shard names and an index even for one)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        uri: str,
+        *,
+        shard_size: int | str | None = None,
+        always_sharded: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(storage, uri, shard_size=shard_size, always_sharded=always_sharded, **options)
+        self.shard_size = shard_size
+        self.always_sharded = always_sharded
+        self._outputs = OutputSet(storage)
+
+    def shard_files(self, entries: list[Entry], suffixes: tuple[str, ...]) -> tuple[list[ShardFile], str | None]:
+        """Where this sink writes ``entries`` (see :func:`sink_files`)."""
+        return sink_files(
+            self.storage, self.uri, entries, self.shard_size, self.format, suffixes, always_sharded=self.always_sharded
+        )
 
 
 class HashingWriter:

@@ -50,7 +50,6 @@ from worker.formats.base import (
     Entry,
     OpaqueObject,
     OutputFile,
-    TensorSink,
     TensorSource,
     dtype_name,
     torch_dtype,
@@ -60,7 +59,7 @@ from worker.formats.sharding import (
     TORCH,
     HashingWriter,
     LocalFiles,
-    OutputSet,
+    ShardedSink,
     Slot,
     build_record,
     entries_from_record,
@@ -71,7 +70,6 @@ from worker.formats.sharding import (
     read_index,
     read_slot,
     resolve_link,
-    sink_files,
     tensor_view,
 )
 from worker.tree import TreeSpec, flatten, unflatten
@@ -872,7 +870,7 @@ class _FileOut:
         self.pkl: bytes | None = None  # written first unless it waits for objects
 
 
-class TorchSink(TensorSink):
+class TorchSink(ShardedSink):
     """Writes ``pytorch_model.bin`` or shards + index under a directory/prefix, or one named file.
 
     Options: ``shard_size`` (bytes or "5GB"; None writes one file), ``always_sharded`` (shard names
@@ -889,19 +887,8 @@ class TorchSink(TensorSink):
     supported_dtypes = None
     zip64_from = 0xFFFFFFFF  # records this large carry zip64 fields (tests lower it)
 
-    def __init__(
-        self,
-        storage: Storage,
-        uri: str,
-        *,
-        shard_size: int | str | None = None,
-        always_sharded: bool = False,
-        **options: Any,
-    ) -> None:
-        super().__init__(storage, uri, shard_size=shard_size, always_sharded=always_sharded, **options)
-        self.shard_size = shard_size
-        self.always_sharded = always_sharded
-        self._outputs = OutputSet(storage)
+    def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
+        super().__init__(storage, uri, **options)
         self._files: list[_FileOut] = []
         self._order: list[str] = []
         self._next = 0
@@ -934,9 +921,7 @@ class TorchSink(TensorSink):
         self.check(entries)
         by_key = {e.key: e for e in entries}
         tensors = [e for e in entries if e.kind in ("tensor", "array", "link")]
-        files, index_uri = sink_files(
-            self.storage, self.uri, tensors, self.shard_size, "torch", _SUFFIXES, always_sharded=self.always_sharded
-        )
+        files, index_uri = self.shard_files(tensors, _SUFFIXES)
         weight_map: dict[str, str] = {}
         total = 0
         leaves = self._leaves

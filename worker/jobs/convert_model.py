@@ -81,12 +81,12 @@ def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:
 
 
 def plan(ctx: JobContext) -> dict[str, Any]:
-    from worker.engine import open_source
     from worker.layouts import plan_model
-    from worker.layouts.api import planned_target
+    from worker.layouts.api import open_model_source, planned_target
 
     out_dir, _ = _target(ctx)
-    src = open_source(ctx.source["uri"], ctx.source.get("format"))
+    o = ctx.options
+    src = open_model_source(ctx.source["uri"], o.model, o.src_fmt, ctx.source.get("format"))
     try:
         p = plan_model(src, **_options(ctx))
         doc = p.to_dict(source_sizes={e.key: e.nbytes for e in src.entries()}, limit=1000)
@@ -107,5 +107,13 @@ def cleanup(ctx: JobContext) -> None:
         return
     out_dir, _ = _target(ctx)
     engine.discard_staging(
-        output_target(ctx.source["uri"], ctx.options.tgt_fmt, ctx.options.config, out_dir), ctx.job_id
+        output_target(
+            ctx.source["uri"],
+            ctx.options.tgt_fmt,
+            ctx.options.config,
+            out_dir,
+            model=ctx.options.model,
+            src_fmt=ctx.options.src_fmt,
+        ),
+        ctx.job_id,
     )

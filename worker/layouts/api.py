@@ -22,8 +22,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptconv.errors import ConfigConversionError, InvalidRequest, ObjectNotFound
-from worker.layouts import dpo, upgrades
+from ckptconv.errors import ConfigConversionError, InvalidRequest, NoConversionPath, ObjectNotFound
+from worker.layouts import dpo, dpr, upgrades
 from worker.layouts.config import dump_cs_yaml, dump_hf_json
 from worker.layouts.dpo import parse_model_format
 from worker.layouts.planner import ConfigResult, Request, build_plan, convert_config_doc
@@ -141,12 +141,18 @@ def _target_label(plan: Plan) -> str:
     return plan.extras.get("target_label", plan.extras["target_format"])
 
 
-def output_target(src_uri: str, tgt_fmt: str, config: Any, output_dir: str | None) -> str:
+def output_target(
+    src_uri: str,
+    tgt_fmt: str,
+    config: Any,
+    output_dir: str | None,
+    *,
+    model: str | None = None,
+    src_fmt: str | None = None,
+) -> str:
     """The checkpoint target of a conversion, from the request alone (opens the source's metadata)."""
-    from worker.engine import open_source
-
     tgt = parse_model_format(tgt_fmt, side="target")
-    source = open_source(src_uri)
+    source, _ = _open(src_uri, model, src_fmt)
     try:
         return output_names(source, config if isinstance(config, str) else None, tgt, output_dir=output_dir)[0]
     finally:
@@ -156,11 +162,23 @@ def output_target(src_uri: str, tgt_fmt: str, config: Any, output_dir: str | Non
 # --- planning -------------------------------------------------------------------------------
 
 
-def _open(src: Any) -> tuple[Any, bool]:
-    if isinstance(src, str):
-        from worker.engine import open_source
+def open_model_source(uri: str, model: str | None = None, src_fmt: str | None = None, fmt: str | None = None) -> Any:
+    """The source of a model conversion: the checkpoint at ``uri``, or for a model whose Hugging
+    Face side is several directories (DPR), those directories read as one."""
+    from worker.engine import normalize_uri, open_source
 
-        return open_source(src), True
+    if model == dpr.MODEL_NAME and src_fmt == "hf":
+        from worker.formats.components import ComponentSource
+        from worker.storage import open_storage
+
+        uri = normalize_uri(uri)
+        return ComponentSource(open_storage(uri), uri, dpr.COMPONENTS)
+    return open_source(uri, fmt)
+
+
+def _open(src: Any, model: str | None = None, src_fmt: str | None = None) -> tuple[Any, bool]:
+    if isinstance(src, str):
+        return open_model_source(src, model, src_fmt), True
     return src, False
 
 
@@ -195,7 +213,7 @@ def plan_model(
 ) -> Plan:
     """Dry run: the plan of a model conversion (matched, unmatched and dropped keys, the converted
     config, warnings) from metadata only. Unmatched keys are listed, not raised."""
-    source, opened = _open(src)
+    source, opened = _open(src, model, src_fmt)
     try:
         doc, _ = _config_for(source, config, src_fmt)
         plan, _ = build_plan(source, doc, _request(model, src_fmt, tgt_fmt, options), strict=False)
@@ -228,7 +246,7 @@ def convert_model(
     beside the input). Returns the engine's ConvertResult (outputs, manifest, warnings)."""
     from worker.engine import run_plan
 
-    source, _ = _open(src)
+    source, _ = _open(src, model, src_fmt)
     try:
         doc, cfg_uri = _config_for(source, config, src_fmt)
         req = _request(
@@ -240,6 +258,7 @@ def convert_model(
         plan, conf = build_plan(source, doc, req)
         tgt_node = plan.extras["target_format"]
         target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
+        components = plan.extras.get("components")
         if tgt_node == "hf":
             to = "safetensors" if export_safetensors else "torch"
             # The Model Zoo always writes shard names and an index, even for one shard.
@@ -251,14 +270,21 @@ def convert_model(
             config_bytes = dump_cs_yaml(conf.target)
             if export_safetensors:
                 plan.warnings.append("--export-safetensors applies to Hugging Face outputs only; ignored")
-        extras = {k: v for k, v in plan.extras.items() if k != "config_ignored_keys"}
+        extras = {k: v for k, v in plan.extras.items() if k not in ("config_ignored_keys", "components")}
+        extra_files = {cfg_rel: config_bytes}
+        sink_factory = reopen = None
+        if components:  # several model directories in one output (DPR's two encoders)
+            extra_files = dpr.hf_config_files(plan, posixpath.dirname(cfg_rel))
+            sink_factory, reopen = _component_io(to, components, sink_options)
         result = run_plan(
             plan,
             source,
             to=to,
             target=target,
             sink_options=sink_options,
-            extra_files={cfg_rel: config_bytes},
+            extra_files=extra_files,
+            sink_factory=sink_factory,
+            reopen=reopen,
             staging=staging,
             progress=progress,
             cancelled=cancelled,
@@ -274,6 +300,21 @@ def convert_model(
         source.close()
 
 
+def _component_io(to: str, components: list[tuple[str, str]], sink_options: dict[str, Any]) -> tuple[Any, Any]:
+    """The sink and the re-reading source of an output made of component directories."""
+    from worker.formats.components import ComponentSink, ComponentSource
+
+    options = {k: v for k, v in sink_options.items() if v is not None}
+
+    def sink(storage: Any, uri: str) -> ComponentSink:
+        return ComponentSink(storage, uri, fmt=to, routes=components, **options)
+
+    def reopen(storage: Any, uri: str) -> ComponentSource:
+        return ComponentSource(storage, uri, [name for name, _ in components])
+
+    return sink, reopen
+
+
 # --- configs --------------------------------------------------------------------------------
 
 
@@ -281,6 +322,11 @@ def convert_config_dict(doc: Mapping[str, Any], *, model: str, src_fmt: str, tgt
     """Convert a config document in memory (no checkpoint involved)."""
     if model == dpo.MODEL_NAME:
         return dpo.convert_dpo_config(doc, src_fmt=src_fmt, tgt_fmt=tgt_fmt)
+    if model == dpr.MODEL_NAME:
+        raise NoConversionPath(
+            "a DPR config is one file per encoder on the Hugging Face side; convert-config takes one file",
+            hint="run convert-model --dry-run on the checkpoint: it shows the converted config(s)",
+        )
     fam, var = resolve(model)
     src = upgrades.parse_format(src_fmt, side="source")
     if src == "cs-auto":

@@ -30,8 +30,9 @@ from ckptconv.errors import ConfigConversionError, NoConversionPath
 from worker.formats.base import Entry, TensorSource
 from worker.layouts import upgrades
 from worker.layouts.registry import release_key, resolve
+from worker.layouts.views import KeyView, plan_on_source, replace_model_spec
 from worker.plan import Plan, Step
-from worker.tree import TreeSpec, flat_dict_spec
+from worker.tree import flat_dict_spec
 
 if TYPE_CHECKING:
     from worker.layouts.planner import ConfigResult, Request
@@ -170,52 +171,20 @@ def _no_path(src_fmt: str, tgt_fmt: str) -> NoConversionPath:
 # --- checkpoints ------------------------------------------------------------------------------
 
 
-class PolicyView(TensorSource):
+class PolicyView(KeyView):
     """A DPO checkpoint seen as its policy model: ``model.policy_model.model.<k>`` reads as
     ``model.<k>`` and the reference model is hidden (``hidden`` lists its keys)."""
 
     def __init__(self, inner: TensorSource) -> None:
-        super().__init__(inner.storage, inner.uri)
-        self.inner = inner
-        self.format = inner.format
-        self.original: dict[str, str] = {}
-        self.hidden: list[str] = []
-        self._entries: list[Entry] = []
-        for e in inner.entries():
-            key = _unwrap(e.key)
-            if key is None:
-                self.hidden.append(e.key)
-                continue
-            target = _unwrap(e.target) if e.kind == "link" and e.target else e.target
-            if e.kind == "link" and target is None:  # a policy key aliasing a reference tensor
-                raise ConfigConversionError(f"{e.key} links into the reference model; the policy is incomplete")
-            self.original[key] = e.key
-            self._entries.append(replace(e, key=key, target=target))
+        super().__init__(inner, _unwrap)
         if not any(k.startswith("model." + POLICY) for k in self.original.values()):
             raise ConfigConversionError(
                 f"{inner.uri} holds no model.{POLICY}* keys: it is not a DPO checkpoint",
                 hint="check --src-fmt (cs-X.Y-dpo names DPO checkpoints)",
             )
 
-    def entries(self) -> list[Entry]:
-        return list(self._entries)
-
-    @property
-    def spec(self) -> TreeSpec | None:
-        spec = self.inner.spec
-        if spec is None or spec.is_leaf:
-            return spec
-        return _replace_model_spec(spec, [k[len("model.") :] for k in self.original if k.startswith("model.")])
-
-    @property
-    def info(self) -> dict[str, Any]:
-        return self.inner.info
-
-    def read(self, key: str) -> Any:
-        return self.inner.read(self.original[key])
-
-    def files(self) -> list[str]:
-        return self.inner.files()
+    def hidden_link(self, e: Entry) -> Exception:
+        return ConfigConversionError(f"{e.key} links into the reference model; the policy is incomplete")
 
 
 def _unwrap(key: str) -> str | None:
@@ -225,24 +194,6 @@ def _unwrap(key: str) -> str | None:
     if key.startswith("model." + REFERENCE):
         return None
     return key
-
-
-def _replace_model_spec(spec: TreeSpec, inner_keys: list[str]) -> TreeSpec:
-    """``spec`` with its ``model`` child replaced by a flat dict of ``inner_keys`` (how a
-    ``state_dict()`` nests), of the type the child had."""
-    labels = [str(label) for label in spec.child_labels()]
-    children = list(spec.children)
-    flat = flat_dict_spec(inner_keys)
-    if "model" in labels:
-        i = labels.index("model")
-        children[i] = TreeSpec(children[i].type, flat.context, flat.children)
-    return TreeSpec(spec.type, list(spec.context), children)
-
-
-def unwrap_plan(plan: Plan, view: PolicyView) -> Plan:
-    """A plan made over ``view`` reading the wrapped checkpoint's own keys."""
-    steps = [replace(s, inputs=tuple(view.original.get(k, k) for k in s.inputs)) for s in plan.steps]
-    return replace(plan, steps=steps, dropped=[*plan.dropped, *view.hidden])
 
 
 def wrap_plan(plan: Plan) -> Plan:
@@ -267,7 +218,7 @@ def wrap_plan(plan: Plan) -> Plan:
         by_key[ref] = Step(Entry(ref, "link", target=target))
     inner_keys = [POLICY + k for k in model_keys] + [REFERENCE + k for k in model_keys]
     spec = plan.spec if plan.spec is not None else flat_dict_spec([s.out.key for s in plan.steps])
-    spec = _replace_model_spec(spec, inner_keys)
+    spec = replace_model_spec(spec, inner_keys)
     order = spec.keys()  # sinks take entries in the spec's order
     return replace(plan, steps=[by_key[k] for k in order], spec=spec)
 
@@ -299,13 +250,13 @@ def build_dpo_plan(
         view = PolicyView(source)
         base_req = replace(req, model=base, src_fmt=src)
         plan, conf = build_plan(view, strip_dpo_config(config or {}), base_req, strict=strict)
-        plan = unwrap_plan(plan, view)
+        plan = plan_on_source(plan, view)
         plan.warnings.append(f"the reference model ({len(view.hidden)} keys) is not part of a Hugging Face model")
     elif {(src, src_wrap), (tgt, tgt_wrap)} == {(no_dpo, "no-dpo"), (no_dpo, "dpo")}:
         base = base_model_of_cs(config, need_dpo=src_wrap == "dpo")
         if src_wrap == "dpo":
             view = PolicyView(source)
-            plan = unwrap_plan(_copy_plan(view), view)
+            plan = plan_on_source(_copy_plan(view), view)
             target_doc = _no_dpo_config(config or {}, base)
         else:
             plan = wrap_plan(_copy_plan(source))

@@ -29,7 +29,7 @@ from ckptconv.errors import (
     UnmatchedKeys,
 )
 from worker.formats.base import Entry, TensorSource
-from worker.layouts import dpo, folding, upgrades
+from worker.layouts import dpo, dpr, folding, upgrades
 from worker.layouts.config import (
     cs_model_section,
     export_config,
@@ -372,6 +372,8 @@ def build_plan(
     unless ``drop_unmatched_keys``; a dry run passes ``strict=False`` to list them instead."""
     if req.model == dpo.MODEL_NAME:
         return dpo.build_dpo_plan(source, config, req, strict=strict)
+    if req.model == dpr.MODEL_NAME:
+        return dpr.build_dpr_plan(source, config, req, strict=strict)
     fam, var = resolve(req.model)
     entries = source.entries()
     src_node = upgrades.parse_format(req.src_fmt, side="source")

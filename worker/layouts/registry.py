@@ -325,9 +325,6 @@ def model_index() -> dict[str, Variant]:
 UNSUPPORTED: dict[str, str] = {
     "llava": "multi-component checkpoints (vision tower + projector + LM in sub-directories) are not supported yet; "
     "convert the language model with --model llama",
-    "dpr": "DPR packs two Hugging Face directories (q_encoder/, ctx_encoder/: DPRQuestionEncoder and "
-    "DPRContextEncoder) into one Cerebras checkpoint (model.question_encoder.*, model.ctx_encoder.*); "
-    "multi-directory conversions are not supported yet (the Model Zoo registers no converter for it either)",
 }
 
 # Names whose checkpoints wrap another model's layout; the wrapped model comes from the config.
@@ -336,7 +333,29 @@ WRAPPERS: dict[str, str] = {
     "the model is the HF config's model_type or the CS config's model.model_name "
     "(bloom, falcon, gpt2, gptj, gpt-neox, llama, mistral, mpt, santacoder, starcoder)",
 }
-WRAPPER_FORMATS = {"dpo": ["hf", *(f"cs-2.{r}-dpo" for r in range(1, 10)), "cs-2.1-no-dpo"]}
+WRAPPERS["dpr"] = (
+    "dense passage retrieval: two BERT encoders; the HF side is a directory holding q_encoder/ "
+    "(DPRQuestionEncoder) and ctx_encoder/ (DPRContextEncoder), the CS side one checkpoint "
+    "(model.question_encoder.*, model.ctx_encoder.*)"
+)
+WRAPPER_FORMATS = {
+    "dpo": ["hf", *(f"cs-2.{r}-dpo" for r in range(1, 10)), "cs-2.1-no-dpo"],
+    "dpr": ["hf", *(f"cs-2.{r}" for r in range(2, 10))],
+}
+WRAPPER_RULES = {
+    "dpo": [
+        "model.<key> (the wrapped model's Cerebras key) <-> model.policy_model.model.<key>",
+        "model.ref_model.model.<key>: written as a link to the policy tensor; dropped towards hf / no-dpo",
+    ],
+    "dpr": [
+        "q_encoder/ question_encoder.bert_model.<BERT key> <-> model.question_encoder.<encoder key> (bert table)",
+        "ctx_encoder/ ctx_encoder.bert_model.<BERT key> <-> model.ctx_encoder.<encoder key> (bert table)",
+    ],
+}
+WRAPPER_SUMMARY = {
+    "dpo": "hf <-> cs-2.1-dpo ... cs-2.9-dpo; cs-2.1-no-dpo <-> cs-2.1-dpo",
+    "dpr": "hf (q_encoder/ + ctx_encoder/) <-> cs-2.2 ... cs-2.9",
+}
 
 
 def resolve(name: str) -> tuple[Family, Variant]:
@@ -513,7 +532,7 @@ def list_models() -> list[dict[str, Any]]:
                     "name": name,
                     "family": None,
                     "supported": True,
-                    "description": "hf <-> cs-2.1-dpo ... cs-2.9-dpo; cs-2.1-no-dpo <-> cs-2.1-dpo",
+                    "description": WRAPPER_SUMMARY[name],
                     "formats": WRAPPER_FORMATS[name],
                     "notes": [v.note],
                 }
@@ -555,10 +574,7 @@ def describe_model(name: str) -> dict[str, Any]:
     wrapped = model_index().get(name)
     if wrapped is not None and wrapped.wrapper:
         entry = next(m for m in list_models() if m["name"] == name)
-        entry["key_rules"] = [
-            "model.<key> (the wrapped model's Cerebras key) <-> model.policy_model.model.<key>",
-            "model.ref_model.model.<key>: written as a link to the policy tensor; dropped towards hf / no-dpo",
-        ]
+        entry["key_rules"] = WRAPPER_RULES[name]
         entry["dims"] = {}
         return entry
     fam, v = resolve(name)
