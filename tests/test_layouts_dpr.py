@@ -66,6 +66,7 @@ def test_hf_to_cs_and_back(tmp_path: Path) -> None:
     plan = plan_model(str(tmp_path / "hf"), model="dpr", src_fmt="hf", tgt_fmt="cs-2.9")
     assert not plan.unmatched and len(plan.steps) == 2 * len(ENCODER_KEYS)
     r = convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="dpr", src_fmt="hf", tgt_fmt="cs-2.9")
+    assert r.target.endswith("/cs/pytorch_model_to_cs-2.9.mdl")  # the Model Zoo's name for a packed checkpoint
     cs = load_cs(r.target)
     want = {f"model.{enc}.{k}": s for enc in ("question_encoder", "ctx_encoder") for k, s in ENCODER_KEYS.items()}
     assert set(cs) == set(want), (sorted(set(cs) - set(want)), sorted(set(want) - set(cs)))

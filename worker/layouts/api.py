@@ -99,6 +99,8 @@ def strip_extensions(name: str) -> str:
 
 
 def _source_base(source: Any) -> str:
+    if source.format == "components":
+        return "pytorch_model"  # what the Model Zoo names a checkpoint packed from component directories
     uri = source.uri.rstrip("/")
     name = posixpath.basename(uri)
     if "." in name:
