@@ -228,3 +228,63 @@ def test_sideband_sparsity_nans_become_zeros_on_export(tmp_path: Path, section: 
     assert before["model.layers.0.self_attn.q_proj.weight"].isnan().any()  # without the setting NaN stays
     assert not got.isnan().any() and got.isinf().sum() == 1
     assert (got == 0).sum() >= pruned.isnan().sum()
+
+
+@pytest.mark.parametrize("per_kv", [False, True])
+def test_t5_mup_factors_land_on_their_tensors(tmp_path: Path, per_kv: bool) -> None:
+    """T5's muP folding (reference 6.1, T5 line) applied key by key; the HF model then loads.
+
+    The simulator has no T5 muP forward to compare logits with, so this checks the factors of the
+    reference on every tensor they apply to, and that nothing else changes."""
+    hf = T.T5ForConditionalGeneration(
+        T.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, tie_word_embeddings=False)
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    hf.save_pretrained(tmp_path / "hf")
+    r = convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="t5", src_fmt="hf", tgt_fmt="cs-2.9")
+    cfg = Path(next(o.uri for o in r.outputs if o.uri.endswith(".yaml")))
+    doc = yaml.safe_load(cfg.read_text())
+    mup = {
+        "mup_base_d_model": 16,
+        "encoder_attention_logits_alpha": 2.0,
+        "decoder_attention_logits_alpha": 3.0,
+        "output_logits_alpha": 5.0,
+        "embeddings_alpha": 0.5,
+    }
+    if per_kv:
+        mup["mup_base_d_kv"] = 8
+    doc["model"].update(mup)
+    cfg.write_text(yaml.safe_dump(doc))
+    back = convert_model(r.target, str(tmp_path / "out"), model="t5", src_fmt="cs-2.9", tgt_fmt="hf", config=str(cfg))
+    assert any("muP" in w for w in back.warnings)
+    out = torch.load(next(Path(back.target).glob("*.bin")), weights_only=True)
+    orig = hf.state_dict()
+    w, p = 64 / 16, (1.0 if per_kv else (64 / 16) ** -0.5)
+    expect = {"q": p / 4, "v": p, "o": 1.0 if per_kv else w**0.5}
+    seen = set()
+    for key, value in orig.items():
+        if key not in out:
+            continue
+        seen.add(key.rsplit(".", 2)[-2] if "Attention" in key else key)
+        if key.endswith(("SelfAttention.q.weight", "EncDecAttention.q.weight")):
+            f = expect["q"]
+        elif key.endswith(("SelfAttention.k.weight", "EncDecAttention.k.weight")):
+            f = (2.0 if key.startswith("encoder.") else 3.0) * p / 4
+        elif key.endswith((".v.weight",)):
+            f = expect["v"]
+        elif key.endswith((".o.weight",)):
+            f = expect["o"]
+        elif key == "lm_head.weight":
+            f = 5.0 / math.sqrt(w)  # scale_output_logits_by_d defaults to false for T5
+        elif key in ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            f = 0.5 * math.sqrt(64)
+        else:
+            f = 1.0
+        torch.testing.assert_close(out[key], value * f, rtol=1e-6, atol=1e-6, msg=key)
+    assert {"q", "k", "v", "o", "lm_head.weight", "shared.weight"} <= seen, seen
+    hf_cfg = json.loads((Path(back.target) / "config.json").read_text())
+    assert hf_cfg["tie_word_embeddings"] is False and not [k for k in hf_cfg if "mup" in k or "alpha" in k]
+    T.T5ForConditionalGeneration.from_pretrained(back.target)

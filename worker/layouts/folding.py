@@ -69,8 +69,10 @@ class MupFold:
         return None
 
 
-def mup_fold(model: Mapping[str, Any], release: str) -> MupFold:
+def mup_fold(model: Mapping[str, Any], release: str, family: str = "") -> MupFold:
     """The muP -> sP folding of a CS model config (assumed to be muP; see :func:`is_mup`)."""
+    if family == "t5":
+        return _mup_fold_t5(model)
     hidden = int(model["hidden_size"])
     heads = int(model["num_heads"])
     head_dim = hidden // heads
@@ -96,6 +98,55 @@ def mup_fold(model: Mapping[str, Any], release: str) -> MupFold:
         factors.append((target, float(emb), "muP embeddings scale"))
     config = {k: v for k, v in model.items() if k not in (_MUP_KEYS_NEW if new else _MUP_KEYS_OLD)}
     config["share_embedding_weights"] = False
+    return MupFold(tuple((rx, f, why) for rx, f, why in factors if f != 1.0), config)
+
+
+_T5_Q = re.compile(r"(?:.*\.)?(?:self_attn|multihead_attn)\.proj_q_dense_layer\.weight")
+_T5_K_ENC = re.compile(r"(?:.*\.)?encoder\.layers\.\d+\.self_attn\.proj_k_dense_layer\.weight")
+_T5_K_DEC = re.compile(r"(?:.*\.)?decoder\.layers\.\d+\.(?:self_attn|multihead_attn)\.proj_k_dense_layer\.weight")
+_T5_V = re.compile(r"(?:.*\.)?(?:self_attn|multihead_attn)\.proj_v_dense_layer\.weight")
+_T5_OUT = re.compile(r"(?:.*\.)?(?:self_attn|multihead_attn)\.proj_output_dense_layer\.weight")
+_T5_HEAD = re.compile(r"(?:.*\.)?lm_head\.weight")
+_T5_EMB = re.compile(r"(?:.*\.)?(?:encoder|decoder)_embeddings\.word_embeddings\.weight")
+_T5_MUP_KEYS = (
+    "encoder_attention_logits_alpha",
+    "decoder_attention_logits_alpha",
+    "scale_encoder_qk_dot_by_d",
+    "scale_decoder_qk_dot_by_d",
+    "output_logits_alpha",
+    "scale_output_logits_by_d",
+    "embeddings_alpha",
+)
+
+
+def _mup_fold_t5(model: Mapping[str, Any]) -> MupFold:
+    """T5's muP (reference §6.1): ``w = d_model / mup_base_d_model``, ``p = w**-0.5`` (1 when
+    ``mup_base_d_kv`` is set) scale the attention projections, the LM head and the embeddings."""
+    d_model = int(model["d_model"])
+    d_kv = int(model["d_kv"])
+    w = d_model / float(model["mup_base_d_model"])
+    per_kv = model.get("mup_base_d_kv") is not None
+    p = 1.0 if per_kv else w**-0.5
+
+    def k_factor(stack: str) -> float:
+        alpha = float(model.get(f"{stack}_attention_logits_alpha") or 1.0)
+        scaled = model.get(f"scale_{stack}_qk_dot_by_d", True)
+        return alpha * p / math.sqrt(d_kv) if scaled else alpha * p
+
+    out_alpha = float(model.get("output_logits_alpha") or 1.0)
+    head = out_alpha / w if model.get("scale_output_logits_by_d", False) else out_alpha / math.sqrt(w)
+    emb_alpha = float(model.get("embeddings_alpha") or 1.0)
+    factors = [
+        (_T5_Q, p / math.sqrt(d_kv), "muP query scale"),
+        (_T5_K_ENC, k_factor("encoder"), "muP encoder attention logits"),
+        (_T5_K_DEC, k_factor("decoder"), "muP decoder attention logits"),
+        (_T5_V, p, "muP value scale"),
+        (_T5_OUT, 1.0 if per_kv else math.sqrt(w), "muP attention output scale"),
+        (_T5_HEAD, head, "muP output logits"),
+        (_T5_EMB, emb_alpha * math.sqrt(d_model), "muP embeddings scale"),
+    ]
+    config = {k: v for k, v in model.items() if k not in _T5_MUP_KEYS and not k.startswith("mup_base_")}
+    config["share_embedding_weights"] = False  # the head and the embeddings now differ
     return MupFold(tuple((rx, f, why) for rx, f, why in factors if f != 1.0), config)
 
 

@@ -159,7 +159,7 @@ def convert_config_doc(
                     hint="the Model Zoo supports muP export for llama, mistral, gpt2, gptj, bloom, starcoder, "
                     "santacoder, bert and t5",
                 )
-            mup = folding.mup_fold(model, release)
+            mup = folding.mup_fold(model, release, fam.name)
             model = mup.config
             warnings.append("muP parameters were folded into the weights (muP -> sP); embeddings are untied")
         if lora_sites:
