@@ -251,15 +251,16 @@ def run_plan(
     job_id: str | None = None,
     verify: bool = True,
     extras: dict[str, Any] | None = None,
-    sink_factory: Callable[[Storage, str], TensorSink] | None = None,
+    sink_factory: Callable[..., TensorSink] | None = None,
     reopen: Callable[[Storage, str], TensorSource] | None = None,
 ) -> ConvertResult:
     """Execute ``plan`` from ``src`` into format ``to`` at ``target``; verify; publish atomically.
 
     ``extra_files`` maps paths relative to the target's parent (e.g. ``config_to_cs-2.9.yaml`` or
     ``x_to_hf/config.json``) to their bytes; they are staged and published with the checkpoint.
-    ``sink_factory`` and ``reopen`` replace the format's sink and source (``(storage, uri)``) for
-    outputs the format alone does not describe (a checkpoint split into component directories).
+    ``sink_factory`` (called as the format's sink class is, with ``sink_options``) and ``reopen``
+    (``(storage, uri)``) replace the format's sink and source for outputs the format alone does
+    not describe (a checkpoint split into component directories).
     """
     check_format(to)
     target = normalize_uri(target)
@@ -277,9 +278,7 @@ def run_plan(
     # A previous attempt of this job may have left a partial staging area: start clean.
     _discard(layout)
     options = {k: v for k, v in (sink_options or {}).items() if v is not None}
-    sink = (
-        sink_factory(storage, layout.sink_uri) if sink_factory else sink_class(to)(storage, layout.sink_uri, **options)
-    )
+    sink = (sink_factory or sink_class(to))(storage, layout.sink_uri, **options)
     t0 = time.monotonic()
     try:
         digests = execute(plan, src, sink, reporter=reporter, cancelled=cancelled)

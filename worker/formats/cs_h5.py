@@ -59,6 +59,7 @@ from worker.formats.cs_serializers import (
     parse_root_spec,
     root_spec_text,
 )
+from worker.storage.base import read_blocks
 from worker.storage.local import ensure_parent_dir
 from worker.tree import TreeSpec
 
@@ -367,9 +368,8 @@ class CsH5Sink(CerebrasSink):
                 self.storage.publish([(self._tmp_path, self.uri)])
             else:
                 with open(self._tmp_path, "rb") as src, self.storage.open_writer(self.uri) as w:
-                    buf = memoryview(bytearray(8 << 20))  # reused: see Storage.sha256
-                    while n := src.readinto(buf):
-                        w.write(buf[:n])
+                    for block in read_blocks(src):
+                        w.write(block)
         except BaseException:
             self.abort()
             raise

@@ -16,6 +16,7 @@ Deviations from the Model Zoo, on purpose:
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import re
@@ -274,10 +275,14 @@ def convert_model(
                 plan.warnings.append("--export-safetensors applies to Hugging Face outputs only; ignored")
         extras = {k: v for k, v in plan.extras.items() if k not in ("config_ignored_keys", "components")}
         extra_files = {cfg_rel: config_bytes}
-        sink_factory = reopen = None
+        sink_factory: Callable[..., Any] | None = None
+        reopen: Callable[..., Any] | None = None
         if components:  # several model directories in one output (DPR's two encoders)
+            from worker.formats.components import ComponentSink, ComponentSource
+
             extra_files = dpr.hf_config_files(plan, posixpath.dirname(cfg_rel))
-            sink_factory, reopen = _component_io(to, components, sink_options)
+            sink_factory = functools.partial(ComponentSink, fmt=to, routes=components)
+            reopen = functools.partial(ComponentSource, names=[name for name, _ in components])
         result = run_plan(
             plan,
             source,
@@ -300,21 +305,6 @@ def convert_model(
         return result
     finally:
         source.close()
-
-
-def _component_io(to: str, components: list[tuple[str, str]], sink_options: dict[str, Any]) -> tuple[Any, Any]:
-    """The sink and the re-reading source of an output made of component directories."""
-    from worker.formats.components import ComponentSink, ComponentSource
-
-    options = {k: v for k, v in sink_options.items() if v is not None}
-
-    def sink(storage: Any, uri: str) -> ComponentSink:
-        return ComponentSink(storage, uri, fmt=to, routes=components, **options)
-
-    def reopen(storage: Any, uri: str) -> ComponentSource:
-        return ComponentSource(storage, uri, [name for name, _ in components])
-
-    return sink, reopen
 
 
 # --- configs --------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from ckptconv.errors import ConfigConversionError, NoConversionPath
 from worker.formats.base import Entry, TensorSource
 from worker.layouts import upgrades
 from worker.layouts.registry import release_key, resolve
-from worker.layouts.views import KeyView, plan_on_source, replace_model_spec
-from worker.plan import Plan, Step
+from worker.layouts.views import KeyView, plan_on_source, rename_outputs, replace_model_spec
+from worker.plan import Plan, Step, identity_plan
 from worker.tree import flat_dict_spec
 
 if TYPE_CHECKING:
@@ -198,20 +198,12 @@ def _unwrap(key: str) -> str | None:
 
 def wrap_plan(plan: Plan) -> Plan:
     """``plan``'s model keys moved under ``policy_model.model.``, plus the reference keys as links."""
-    by_key: dict[str, Step] = {}
-    model_keys: list[str] = []
-    for s in plan.steps:
-        out = s.out
-        if out.key.startswith("model."):
-            inner = out.key[len("model.") :]
-            target = out.target
-            if out.kind == "link" and target and target.startswith("model."):
-                target = "model." + POLICY + target[len("model.") :]
-            s = replace(s, out=replace(out, key="model." + POLICY + inner, target=target))
-            model_keys.append(inner)
-        by_key[s.out.key] = s
+    moved = rename_outputs(plan, _wrap)
+    by_key = {s.out.key: s for s in moved.steps}
+    policy_prefix = "model." + POLICY
+    model_keys = [s.out.key[len(policy_prefix) :] for s in moved.steps if s.out.key.startswith(policy_prefix)]
     for inner in model_keys:
-        policy = by_key["model." + POLICY + inner]
+        policy = by_key[policy_prefix + inner]
         # A reference key aliases what the policy key stores (a tied tensor's first holder).
         target = policy.out.target if policy.out.kind == "link" else policy.out.key
         ref = "model." + REFERENCE + inner
@@ -220,7 +212,12 @@ def wrap_plan(plan: Plan) -> Plan:
     spec = plan.spec if plan.spec is not None else flat_dict_spec([s.out.key for s in plan.steps])
     spec = replace_model_spec(spec, inner_keys)
     order = spec.keys()  # sinks take entries in the spec's order
-    return replace(plan, steps=[by_key[k] for k in order], spec=spec)
+    return replace(moved, steps=[by_key[k] for k in order], spec=spec)
+
+
+def _wrap(key: str) -> str:
+    """``model.<k>`` -> ``model.policy_model.model.<k>``; keys outside ``model`` stay."""
+    return "model." + POLICY + key[len("model.") :] if key.startswith("model.") else key
 
 
 # --- planning -------------------------------------------------------------------------------
@@ -256,10 +253,10 @@ def build_dpo_plan(
         base = base_model_of_cs(config, need_dpo=src_wrap == "dpo")
         if src_wrap == "dpo":
             view = PolicyView(source)
-            plan = plan_on_source(_copy_plan(view), view)
+            plan = plan_on_source(identity_plan(view.entries(), view.spec), view)
             target_doc = _no_dpo_config(config or {}, base)
         else:
-            plan = wrap_plan(_copy_plan(source))
+            plan = wrap_plan(identity_plan(source.entries(), source.spec))
             target_doc = add_dpo_config(config or {}, base)
         conf = ConfigResult(target_doc, {}, {}, [], [])
     else:
@@ -277,13 +274,3 @@ def build_dpo_plan(
     )
     plan.extras.setdefault("path", [src, tgt])
     return plan, conf
-
-
-def _copy_plan(source: TensorSource) -> Plan:
-    steps = []
-    for e in source.entries():
-        if e.kind in ("value", "link"):
-            steps.append(Step(e))
-        else:
-            steps.append(Step(e, (e.key,)))
-    return Plan(steps, source.spec)

@@ -16,7 +16,6 @@ is ``add_pooling_layer: false``); a projection (``projection_dim > 0``) is refus
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -88,16 +87,13 @@ def _check_formats(req: Request) -> tuple[str, str]:
 
 def read_hf_configs(source: TensorSource) -> dict[str, dict[str, Any]]:
     """The ``config.json`` of each encoder directory of a DPR Hugging Face checkpoint."""
+    from worker.layouts.api import load_config
+
     out = {}
     for e in ENCODERS:
-        uri = source.storage.join(source.uri.rstrip("/"), e.directory, "config.json")
-        try:
-            out[e.directory] = json.loads(source.storage.read_range(uri, 0, source.storage.stat(uri).size))
-        except Exception as err:  # a missing or unreadable config: say which and how to fix it
-            raise ConfigConversionError(
-                f"cannot read {uri}: {err}",
-                hint="a DPR checkpoint is a directory with q_encoder/ and ctx_encoder/, each holding config.json",
-            ) from None
+        doc, _ = load_config(source.storage.join(source.uri.rstrip("/"), e.directory, "config.json"))
+        assert doc is not None
+        out[e.directory] = doc
     return out
 
 

@@ -62,7 +62,7 @@ class Variant:
     alias_of: str | None = None
     note: str | None = None
     unsupported: str | None = None  # reason, for names kept only to say why they cannot convert
-    wrapper: bool = False  # wraps another model named by the config (dpo): worker.layouts.dpo
+    wrapper: bool = False  # no table of its own: see WRAPPERS
 
 
 @dataclass
@@ -316,8 +316,8 @@ def model_index() -> dict[str, Variant]:
     for name, reason in UNSUPPORTED.items():
         if name not in index:
             index[name] = Variant(name, "", unsupported=reason)
-    for name, note in WRAPPERS.items():
-        index[name] = Variant(name, "", wrapper=True, note=note)
+    for name, w in WRAPPERS.items():
+        index[name] = Variant(name, "", wrapper=True, note=w.note)
     return index
 
 
@@ -327,34 +327,40 @@ UNSUPPORTED: dict[str, str] = {
     "convert the language model with --model llama",
 }
 
-# Names whose checkpoints wrap another model's layout; the wrapped model comes from the config.
-WRAPPERS: dict[str, str] = {
-    "dpo": "a language model trained with DPO: its keys under policy_model.model. and ref_model.model.; "
-    "the model is the HF config's model_type or the CS config's model.model_name "
-    "(bloom, falcon, gpt2, gptj, gpt-neox, llama, mistral, mpt, santacoder, starcoder)",
-}
-WRAPPERS["dpr"] = (
-    "dense passage retrieval: two BERT encoders; the HF side is a directory holding q_encoder/ "
-    "(DPRQuestionEncoder) and ctx_encoder/ (DPRContextEncoder), the CS side one checkpoint "
-    "(model.question_encoder.*, model.ctx_encoder.*)"
-)
-WRAPPER_FORMATS = {
-    "dpo": ["hf", *(f"cs-2.{r}-dpo" for r in range(1, 10)), "cs-2.1-no-dpo"],
-    "dpr": ["hf", *(f"cs-2.{r}" for r in range(2, 10))],
-}
-WRAPPER_RULES = {
-    "dpo": [
-        "model.<key> (the wrapped model's Cerebras key) <-> model.policy_model.model.<key>",
-        "model.ref_model.model.<key>: written as a link to the policy tensor; dropped towards hf / no-dpo",
-    ],
-    "dpr": [
-        "q_encoder/ question_encoder.bert_model.<BERT key> <-> model.question_encoder.<encoder key> (bert table)",
-        "ctx_encoder/ ctx_encoder.bert_model.<BERT key> <-> model.ctx_encoder.<encoder key> (bert table)",
-    ],
-}
-WRAPPER_SUMMARY = {
-    "dpo": "hf <-> cs-2.1-dpo ... cs-2.9-dpo; cs-2.1-no-dpo <-> cs-2.1-dpo",
-    "dpr": "hf (q_encoder/ + ctx_encoder/) <-> cs-2.2 ... cs-2.9",
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A model name with no table of its own: it wraps other tables (worker.layouts.dpo, .dpr)."""
+
+    summary: str  # its formats, in a line
+    formats: tuple[str, ...]
+    note: str
+    key_rules: tuple[str, ...]
+
+
+WRAPPERS: dict[str, Wrapper] = {
+    "dpo": Wrapper(
+        "hf <-> cs-2.1-dpo ... cs-2.9-dpo; cs-2.1-no-dpo <-> cs-2.1-dpo",
+        ("hf", *(f"cs-2.{r}-dpo" for r in range(1, 10)), "cs-2.1-no-dpo"),
+        "a language model trained with DPO: its keys under policy_model.model. and ref_model.model.; "
+        "the model is the HF config's model_type or the CS config's model.model_name "
+        "(bloom, falcon, gpt2, gptj, gpt-neox, llama, mistral, mpt, santacoder, starcoder)",
+        (
+            "model.<key> (the wrapped model's Cerebras key) <-> model.policy_model.model.<key>",
+            "model.ref_model.model.<key>: written as a link to the policy tensor; dropped towards hf / no-dpo",
+        ),
+    ),
+    "dpr": Wrapper(
+        "hf (q_encoder/ + ctx_encoder/) <-> cs-2.2 ... cs-2.9",
+        ("hf", *(f"cs-2.{r}" for r in range(2, 10))),
+        "dense passage retrieval: two BERT encoders; the HF side is a directory holding q_encoder/ "
+        "(DPRQuestionEncoder) and ctx_encoder/ (DPRContextEncoder), the CS side one checkpoint "
+        "(model.question_encoder.*, model.ctx_encoder.*)",
+        (
+            "q_encoder/ question_encoder.bert_model.<BERT key> <-> model.question_encoder.<encoder key> (bert table)",
+            "ctx_encoder/ ctx_encoder.bert_model.<BERT key> <-> model.ctx_encoder.<encoder key> (bert table)",
+        ),
+    ),
 }
 
 
@@ -374,7 +380,7 @@ def resolve(name: str) -> tuple[Family, Variant]:
         raise NoConversionPath(
             f"model {name!r} wraps another model and has no layout table of its own",
             model=name,
-            hint="its conversions go through worker.layouts.dpo",
+            hint=f"its conversions go through worker.layouts.{name}",
         )
     return families()[v.family], v
 
@@ -532,8 +538,8 @@ def list_models() -> list[dict[str, Any]]:
                     "name": name,
                     "family": None,
                     "supported": True,
-                    "description": WRAPPER_SUMMARY[name],
-                    "formats": WRAPPER_FORMATS[name],
+                    "description": WRAPPERS[name].summary,
+                    "formats": list(WRAPPERS[name].formats),
                     "notes": [v.note],
                 }
             )
@@ -574,7 +580,7 @@ def describe_model(name: str) -> dict[str, Any]:
     wrapped = model_index().get(name)
     if wrapped is not None and wrapped.wrapper:
         entry = next(m for m in list_models() if m["name"] == name)
-        entry["key_rules"] = WRAPPER_RULES[name]
+        entry["key_rules"] = list(WRAPPERS[name].key_rules)
         entry["dims"] = {}
         return entry
     fam, v = resolve(name)

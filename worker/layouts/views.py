@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from ckptconv.errors import ConversionError
 from worker.formats.base import Entry, TensorSource
 from worker.plan import Plan
 from worker.tree import TreeSpec, flat_dict_spec
@@ -42,7 +43,7 @@ class KeyView(TensorSource):
 
     def hidden_link(self, e: Entry) -> Exception:
         """The error for a visible entry aliasing a hidden one (subclasses say it in their terms)."""
-        return ValueError(f"{e.key} links to {e.target}, which this view hides")
+        return ConversionError(f"{e.key} links to {e.target}, which is outside the part being converted")
 
     def entries(self) -> list[Entry]:
         return list(self._entries)
