@@ -132,6 +132,34 @@ def test_dpr_round_trip_through_the_service(service: Service, data: Path) -> Non
     assert loaded.config.model_type == "dpr"
 
 
+def test_llava_plan_and_round_trip_through_the_service(service: Service, data: Path) -> None:
+    from test_layouts_llava import CS_KEYS, llava_model, write_original
+
+    original = write_original(data / "hf", llava_model())
+    options = {"model": "llava", "src_fmt": "hf", "tgt_fmt": "cs-2.9"}
+    with service.client() as c:
+        plan = c.plan(str(data / "hf"), str(data / "cs"), to="cs-h5", kind="convert-model", options=options)
+    assert plan["ok"] is True and not plan["unmatched_keys"], plan
+    assert plan["config"]["model"]["projector"]["image_model"]["layers_units"] == [48, 48]
+    assert not (data / "cs").exists()  # a dry run writes nothing
+    job = run(service, str(data / "hf"), str(data / "cs"), to="cs-h5", kind="convert-model", options=options)
+    assert job["state"] == "succeeded", job.get("error")
+    mdl = next(o["uri"] for o in job["result"]["outputs"] if o["uri"].endswith(".mdl"))
+    cfg = next(o["uri"] for o in job["result"]["outputs"] if o["uri"].endswith(".yaml"))
+    options = {"model": "llava", "src_fmt": "cs-2.9", "tgt_fmt": "hf", "config": cfg, "export_safetensors": True}
+    job = run(service, mdl, str(data / "back"), to="safetensors", kind="convert-model", options=options)
+    assert job["state"] == "succeeded", job.get("error")
+    target = Path(job["result"]["target"])
+    names = {str(Path(o["uri"]).relative_to(target)) for o in job["result"]["outputs"]}
+    assert {"image_model/preprocessor_config.json", "text_model/model.safetensors.index.json"} <= names, names
+    from test_layouts_families import load_dir
+
+    for part in ("image_model", "text_model"):
+        got = load_dir(str(target / part))
+        assert set(got) == set(original[part]) and all(torch.equal(got[k], v) for k, v in original[part].items())
+    assert len(CS_KEYS) == sum(len(p) for p in original.values()) + 1  # + the final norm stored twice
+
+
 def test_verify_refuses_uris_outside_the_keys_prefixes(service: Service, data: Path) -> None:
     with service.client() as c, pytest.raises(Forbidden):
         c.submit(str(data / "x.mdl"), kind="verify", options={"hf": "/elsewhere", "config": "/c", "model": "llama"})

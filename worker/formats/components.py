@@ -32,6 +32,7 @@ class ComponentSource(TensorSource):
         self.names = list(names)
         self.parts: dict[str, TensorSource] = {}
         self._owner: dict[str, TensorSource] = {}
+        self._component: dict[str, str] = {}
         self._entries: list[Entry] = []
         try:
             for name in self.names:
@@ -41,6 +42,7 @@ class ComponentSource(TensorSource):
                     if e.key in self._owner:
                         raise KeyCollision(f"{e.key!r} is in two components ({name} and another)", key=e.key)
                     self._owner[e.key] = part
+                    self._component[e.key] = name
                     self._entries.append(e)
         except BaseException:
             self.close()
@@ -51,6 +53,10 @@ class ComponentSource(TensorSource):
 
     def read(self, key: str) -> Any:
         return self._owner[key].read(key)
+
+    def component_of(self, key: str) -> str:
+        """The sub-directory ``key`` was read from."""
+        return self._component[key]
 
     def files(self) -> list[str]:
         return [f for part in self.parts.values() for f in part.files()]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptconv.errors import ConfigConversionError, InvalidRequest, NoConversionPath, ObjectNotFound
-from worker.layouts import dpo, dpr, upgrades
+from worker.layouts import dpo, dpr, llava, upgrades
 from worker.layouts.config import dump_cs_yaml, dump_hf_json
 from worker.layouts.dpo import parse_model_format
 from worker.layouts.planner import ConfigResult, Request, build_plan, convert_config_doc
@@ -32,6 +32,9 @@ from worker.layouts.registry import resolve
 from worker.plan import Plan
 
 DEFAULT_HF_SHARD_SIZE = "10GB"
+# Models whose Hugging Face side is several model directories, by name: their module says which
+# (``COMPONENTS``) and writes each directory's config files (``hf_config_files``).
+COMPOSITES = {dpr.MODEL_NAME: dpr, llava.MODEL_NAME: llava}
 
 
 # --- config documents ------------------------------------------------------------------------
@@ -167,15 +170,15 @@ def output_target(
 
 def open_model_source(uri: str, model: str | None = None, src_fmt: str | None = None, fmt: str | None = None) -> Any:
     """The source of a model conversion: the checkpoint at ``uri``, or for a model whose Hugging
-    Face side is several directories (DPR), those directories read as one."""
+    Face side is several directories (DPR, LLaVA), those directories read as one."""
     from worker.engine import normalize_uri, open_source
 
-    if model == dpr.MODEL_NAME and src_fmt == "hf":
+    if model in COMPOSITES and src_fmt == "hf":
         from worker.formats.components import ComponentSource
         from worker.storage import open_storage
 
         uri = normalize_uri(uri)
-        return ComponentSource(open_storage(uri), uri, dpr.COMPONENTS)
+        return ComponentSource(open_storage(uri), uri, COMPOSITES[model].COMPONENTS)
     return open_source(uri, fmt)
 
 
@@ -277,10 +280,10 @@ def convert_model(
         extra_files = {cfg_rel: config_bytes}
         sink_factory: Callable[..., Any] | None = None
         reopen: Callable[..., Any] | None = None
-        if components:  # several model directories in one output (DPR's two encoders)
+        if components:  # several model directories in one output (DPR's encoders, LLaVA's parts)
             from worker.formats.components import ComponentSink, ComponentSource
 
-            extra_files = dpr.hf_config_files(plan, posixpath.dirname(cfg_rel))
+            extra_files = COMPOSITES[model].hf_config_files(plan, posixpath.dirname(cfg_rel), target)
             sink_factory = functools.partial(ComponentSink, fmt=to, routes=components)
             reopen = functools.partial(ComponentSource, names=[name for name, _ in components])
         result = run_plan(

@@ -1027,6 +1027,30 @@ class _Classifier:
             hf["num_labels"] = 2
 
 
+@hook("square_image")
+class _SquareImage:
+    """ViT sizes: one HF integer (square images and patches) <-> a CS ``[height, width]`` pair."""
+
+    reads = ("image_size", "patch_size")
+
+    @staticmethod
+    def to_cs(hf: dict[str, Any], cs: dict[str, Any], ctx: Ctx) -> None:
+        for key in ("image_size", "patch_size"):
+            v = _require(hf, key, "Hugging Face")
+            cs[key] = list(v) if isinstance(v, list | tuple) else [int(v), int(v)]
+
+    @staticmethod
+    def to_hf(cs: dict[str, Any], hf: dict[str, Any], ctx: Ctx) -> None:
+        for key in ("image_size", "patch_size"):
+            v = _require(cs, key, "Cerebras")
+            if isinstance(v, int):
+                hf[key] = v
+                continue
+            if len(v) != 2 or v[0] != v[1]:
+                raise fail(f"Can't convert config with {key}={v!r}. Image width and height need to match.", key=key)
+            hf[key] = int(v[0])
+
+
 # --- CS YAML documents ---------------------------------------------------------------------
 
 

@@ -24,12 +24,12 @@ from ckptconv.errors import ConfigConversionError, NoConversionPath
 from worker.formats.base import TensorSource
 from worker.layouts import upgrades
 from worker.layouts.registry import release_key
-from worker.layouts.views import KeyView, plan_on_source, rename_outputs
-from worker.plan import Plan
+from worker.layouts.views import PartsPlan, part_plan
 from worker.tree import flat_dict_spec, wrap_spec
 
 if TYPE_CHECKING:
     from worker.layouts.planner import ConfigResult, Request
+    from worker.plan import Plan
 
 MODEL_NAME = "dpr"
 FIRST_RELEASE = "2.2"
@@ -123,34 +123,29 @@ def build_dpr_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a DPR conversion (see the module docstring)."""
-    from worker.layouts.planner import ConfigResult, build_plan, metadata_params
+    from worker.layouts.planner import ConfigResult, metadata_params
 
     src, tgt = _check_formats(req)
-    steps = []
-    inner_keys: list[str] = []
-    warnings: list[str] = []
-    unmatched: list[str] = []
-    dropped: list[str] = []
+    parts = PartsPlan()
     if src == "hf":
         configs = read_hf_configs(source)
         sections: dict[str, Any] = {}
         for e in ENCODERS:
-            view = KeyView(
-                source, lambda k, e=e: BERT_HF + k[len(e.hf_prefix) :] if k.startswith(e.hf_prefix) else None
+            plan, conf = part_plan(
+                source,
+                lambda k, e=e: _from_hf(k, e),
+                lambda k, e=e: _to_cs(k, e),
+                _bert_hf_config(configs[e.directory], e.directory),
+                _bert(req),
+                strict=strict,
             )
-            plan, conf = build_plan(view, _bert_hf_config(configs[e.directory], e.directory), _bert(req), strict=strict)
-            plan = plan_on_source(plan, view)
-            plan = rename_outputs(plan, lambda k, e=e: _to_cs(k, e))
-            steps += plan.steps
-            inner_keys += [s.out.key[len("model.") :] for s in plan.steps]
+            parts.add(plan, e.directory, keep_warning=lambda w: not _about_heads(w))
             section = {k: v for k, v in conf.target["model"].items() if k != "name"}  # the run names the model
             section["add_pooling_layer"] = False
             sections[e.directory] = section
-            warnings += [f"{e.directory}: {w}" for w in plan.warnings if not _about_heads(w)]
-            unmatched += plan.unmatched
-            dropped += [k for k in plan.dropped if k.startswith(e.hf_prefix)]
         doc = {"model": {**sections, **_retrieval_defaults(tgt[3:])}}
-        result = Plan(steps, wrap_spec("model", flat_dict_spec(inner_keys)))
+        spec = wrap_spec("model", flat_dict_spec([s.out.key[len("model.") :] for s in parts.steps]))
+        result = parts.plan(source, spec, model=MODEL_NAME, strict=strict, drop=req.drop_unmatched_keys)
         conf_out = ConfigResult(doc, {}, {}, [], [])
     else:
         if config is None:
@@ -158,32 +153,27 @@ def build_dpr_plan(
         model = _cs_model(config)
         hf_configs: dict[str, Any] = {}
         for e in ENCODERS:
-            view = KeyView(source, lambda k, e=e: _from_cs(k, e))
             section = model.get(e.directory)
             if not isinstance(section, Mapping):
                 raise ConfigConversionError(f"the DPR config has no model.{e.directory} section")
-            plan, conf = build_plan(view, {"model": dict(section)}, _bert(req), strict=strict)
-            plan = plan_on_source(plan, view)
-            plan = rename_outputs(
-                plan, lambda k, e=e: e.hf_prefix + k[len(BERT_HF) :] if k.startswith(BERT_HF) else None
+            plan, conf = part_plan(
+                source,
+                lambda k, e=e: _from_cs(k, e),
+                lambda k, e=e: _to_hf(k, e),
+                {"model": dict(section)},
+                _bert(req),
+                strict=strict,
             )
-            steps += plan.steps
+            parts.add(plan, e.directory, keep_warning=lambda w: "training state" not in w and not _about_heads(w))
             hf_configs[e.directory] = _dpr_hf_config(conf.target, e)
-            warnings += [
-                f"{e.directory}: {w}" for w in plan.warnings if "training state" not in w and not _about_heads(w)
-            ]
-            unmatched += plan.unmatched
-            dropped += [k for k in plan.dropped if k.startswith("model." + e.cs_prefix)]
-        state = [x.key for x in source.entries() if not x.key.startswith(("model.", "__metadata__"))]
+        rest = [x.key for x in source.entries() if not x.key.startswith("model.")]
+        state = [k for k in rest if not k.startswith("__metadata__")]
         if state:
-            warnings.append(f"training state is not converted to Hugging Face ({len(state)} entries dropped)")
-            dropped += state
-        result = Plan(steps, None)
+            parts.warnings.append(f"training state is not converted to Hugging Face ({len(state)} entries dropped)")
+        parts.dropped += rest
+        result = parts.plan(source, None, model=MODEL_NAME, strict=strict, drop=req.drop_unmatched_keys)
         conf_out = ConfigResult(hf_configs, {}, {}, [], [])
         result.extras["components"] = routes()
-    result.warnings = warnings
-    result.unmatched = unmatched
-    result.dropped = dropped
     result.config = conf_out.target
     result.extras.update(
         {"model": MODEL_NAME, "family": "bert", "source_format": src, "target_format": tgt, "path": [src, tgt]}
@@ -237,8 +227,9 @@ def _cs_model(config: Mapping[str, Any] | None) -> dict[str, Any]:
     return model
 
 
-def hf_config_files(plan: Plan, target_dir: str) -> dict[str, bytes]:
-    """``{<target dir>/<encoder>/config.json: bytes}`` of a DPR plan towards Hugging Face."""
+def hf_config_files(plan: Plan, target_dir: str, final_target: str) -> dict[str, bytes]:
+    """``{<target dir>/<encoder>/config.json: bytes}`` of a DPR plan towards Hugging Face
+    (``final_target``, where the output is published, is not needed)."""
     from worker.layouts.config import dump_hf_json
 
     assert plan.config is not None

@@ -29,7 +29,7 @@ from ckptconv.errors import (
     UnmatchedKeys,
 )
 from worker.formats.base import Entry, TensorSource
-from worker.layouts import dpo, dpr, folding, upgrades
+from worker.layouts import dpo, dpr, folding, llava, sparsity, upgrades
 from worker.layouts.config import (
     cs_model_section,
     export_config,
@@ -43,6 +43,7 @@ from worker.layouts.expr import evaluate
 from worker.layouts.registry import Family, Variant, release_key, resolve
 from worker.layouts.rules import MappedOutput, map_keys
 from worker.layouts.transforms import TRANSFORMS, lora_fold
+from worker.layouts.views import KeyView, plan_on_source
 from worker.plan import IDENTITY, Plan, Step, Transform
 from worker.tree import DICT, LIST, ODICT, TreeSpec, flat_dict_spec, flatten, unflatten, wrap_spec
 
@@ -374,6 +375,8 @@ def build_plan(
         return dpo.build_dpo_plan(source, config, req, strict=strict)
     if req.model == dpr.MODEL_NAME:
         return dpr.build_dpr_plan(source, config, req, strict=strict)
+    if req.model == llava.MODEL_NAME:
+        return llava.build_llava_plan(source, config, req, strict=strict)
     fam, var = resolve(req.model)
     entries = source.entries()
     src_node = upgrades.parse_format(req.src_fmt, side="source")
@@ -384,6 +387,11 @@ def build_plan(
     if src_node == tgt_node == "hf":
         raise NoConversionPath("source and target are both hf; nothing to convert", hint="use `ckptconv convert`")
     path = upgrades.find_path(fam, src_node, tgt_node)
+    if src_node == "hf":
+        view = _with_optional_prefix(fam, var, source)
+        if view is not None:
+            plan, conf = build_plan(view, config, req, strict=strict)
+            return plan_on_source(plan, view), conf
 
     if config is None and src_node != "hf":
         config = metadata_params(source, entries)
@@ -406,7 +414,7 @@ def build_plan(
         plan, conf = _plan_cs_to_cs(fam, var, source, entries, by_key, dict(config), path, req, warnings)
     if src_node != "hf" and tgt_node != "hf":
         plan = _with_dataloader_state(plan, dict(config), src_node, tgt_node)
-    plan.warnings = _unique(warnings + conf.warnings + plan.warnings)
+    plan.warnings = _unique(warnings + conf.warnings + plan.warnings + _initialized_warning(plan))
     plan.config = conf.target
     plan.extras.update(
         {
@@ -429,6 +437,23 @@ def build_plan(
     if plan.unmatched and req.drop_unmatched_keys:
         plan.warnings.append(f"{len(plan.unmatched)} unmatched keys were dropped: " + ", ".join(plan.unmatched[:20]))
     return plan, conf
+
+
+def _initialized_warning(plan: Plan) -> list[str]:
+    """Say which outputs are new layers initialized at random (the source side has no such layer)."""
+    fresh = [s.out.key for s in plan.steps if s.transform is not None and s.transform.name == "random_init"]
+    if not fresh:
+        return []
+    return [f"{len(fresh)} tensors have no counterpart in the source and were initialized: {', '.join(fresh)}"]
+
+
+def _with_optional_prefix(fam: Family, var: Variant, source: TensorSource) -> KeyView | None:
+    """A Hugging Face checkpoint saved without the prefix its table is keyed with (transformers 5
+    saves a CLIPVisionModel without ``vision_model.``), seen with it; None when it has it."""
+    prefix = fam.hf.get("optional_prefix")
+    if not prefix or var.headless or any(e.key.startswith(prefix) for e in source.entries()):
+        return None
+    return KeyView(source, lambda k: prefix + k)
 
 
 def _unique(items: list[str]) -> list[str]:
@@ -678,22 +703,65 @@ def _plan_cs_to_cs(fam, var, source, entries, by_key, config, path, req, warning
         steps.append(Step(replace(e, key=new_key), (e.key,)))
     if sites:
         warnings.append(f"{len(sites)} LoRA adapters were folded into their base weights")
+    src_release = upgrades.release_of(src_node)
+    mask_move = _sparsity_move(source, by_key, model_entries, lora_consumed, src_node, tgt_node, warnings)
+    if mask_move is not None:
+        steps += mask_move.mask_steps
+        dropped += mask_move.dropped
+    consumed = mask_move.consumed if mask_move is not None else frozenset()
 
     # Everything outside `model` is copied unchanged, then the conversion is recorded.
-    src_release = upgrades.release_of(src_node)
     last_epoch_fix = upgrades_last_epoch(rest, by_key) if release_key(src_release) < (2, 0) else {}
     for e in rest:
-        if e.key in last_epoch_fix:
+        if e.key in consumed:
+            continue
+        if e.kind == "link" and e.target in consumed:  # its target moved or went: write the value itself
+            steps.append(sparsity.copy_step(e.key, e.target or "", by_key))
+        elif e.key in last_epoch_fix:
             steps.append(Step(replace(e, value=last_epoch_fix[e.key]), ()))
         elif e.kind == "value" or e.kind == "link":
             steps.append(Step(e))
         else:
             steps.append(Step(e, (e.key,)))
+    if mask_move is not None:
+        steps += mask_move.state_steps
     meta_steps, spec = _metadata_append(source, entries, steps, tgt_node, conf.target)
     steps += meta_steps
+    if mask_move is not None:
+        spec = sparsity.moved_spec(spec, mask_move)
+        steps = _in_spec_order(steps, spec)
     plan = Plan(steps, spec)
     plan.dropped = dropped
     return plan, conf
+
+
+def _sparsity_move(source, by_key, model_entries, lora_consumed, src_node, tgt_node, warnings):
+    """Plan the move of 2.0/2.1 sparsity masks (``optimizer.sparsity``) into the model for a 2.2+
+    target (``worker.layouts.sparsity``); warn when 2.2+ masks go to an older release."""
+    src, tgt = upgrades.release_of(src_node), upgrades.release_of(tgt_node)
+    if release_key(tgt) < sparsity.MASK_RELEASE:
+        if release_key(src) >= sparsity.MASK_RELEASE:
+            w = sparsity.downgrade_warning(source.spec, [e.key for e in model_entries], tgt)
+            if w:
+                warnings.append(w)
+        return None
+    params: dict[str, str | None] = {}
+    for e in model_entries:
+        inner, prefix = _strip_inner(e.key)
+        out = None if inner in lora_consumed else prefix + upgrades.rename_key(inner, src_node, tgt_node)
+        params[e.key[len(MODEL) + 1 :]] = out
+    move = sparsity.plan_mask_move(source.spec, by_key, params)
+    if move is not None:
+        warnings += move.warnings
+    return move
+
+
+def _in_spec_order(steps: list[Step], spec: TreeSpec) -> list[Step]:
+    """``steps`` in the order of the spec's leaves (sinks take entries in that order)."""
+    position = {k: i for i, k in enumerate(spec.keys())}
+    if len(position) != len(steps) or any(s.out.key not in position for s in steps):
+        return steps  # a mismatch the sink reports
+    return sorted(steps, key=lambda s: position[s.out.key])
 
 
 def _plan_hf_style(fam, var, source, entries, by_key, config, path, warnings, hf_style) -> tuple[Plan, ConfigResult]:

@@ -322,15 +322,12 @@ def model_index() -> dict[str, Variant]:
 
 
 # Names in the Model Zoo that cannot be converted here, with the reason shown to users.
-UNSUPPORTED: dict[str, str] = {
-    "llava": "multi-component checkpoints (vision tower + projector + LM in sub-directories) are not supported yet; "
-    "convert the language model with --model llama",
-}
+UNSUPPORTED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
 class Wrapper:
-    """A model name with no table of its own: it wraps other tables (worker.layouts.dpo, .dpr)."""
+    """A model name with no table of its own: it wraps other tables (worker.layouts.dpo, .dpr, .llava)."""
 
     summary: str  # its formats, in a line
     formats: tuple[str, ...]
@@ -359,6 +356,21 @@ WRAPPERS: dict[str, Wrapper] = {
         (
             "q_encoder/ question_encoder.bert_model.<BERT key> <-> model.question_encoder.<encoder key> (bert table)",
             "ctx_encoder/ ctx_encoder.bert_model.<BERT key> <-> model.ctx_encoder.<encoder key> (bert table)",
+        ),
+    ),
+    "llava": Wrapper(
+        "hf (image_model/ + text_model/) <-> cs-2.2 ... cs-2.9",
+        ("hf", *(f"cs-2.{r}" for r in range(2, 10))),
+        "LLaVA: a CLIP vision tower, an MLP projector and a Llama language model; the HF side is a directory "
+        "holding image_model/ (CLIPVisionModel or CLIPModel, config.json, preprocessor_config.json) and "
+        "text_model/ (LlavaLlamaForCausalLM: Llama keys + model.mm_projector.*, config.json with the mm_* "
+        "fields), the CS side one checkpoint (model.image_model.*, model.text_model.*, "
+        "model.projector_image_model.*); a missing projector is initialized",
+        (
+            "image_model/ vision_model.<CLIP key> <-> model.image_model.<ViT key> (clip-vit table)",
+            "text_model/ <Llama key> <-> model.text_model.<Llama key> (llama table)",
+            "text_model/ model.mm_projector.<2n>.<wb> <-> model.projector_image_model.ffn.<n>.linear_layer.<wb>",
+            "text_model/ model.vision_tower.*: dropped (the tower comes from image_model/)",
         ),
     ),
 }

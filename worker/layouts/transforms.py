@@ -100,6 +100,30 @@ def _scale(values: list[Any], p: dict[str, Any], index: int) -> Any:
 _same(_scale, "scale", "multiply by a constant factor (muP -> sP folding)")
 
 
+def _cls_to_end(values: list[Any], p: dict[str, Any], index: int) -> Any:
+    import torch
+
+    x = values[0]
+    return torch.cat([x[1:], x[:1]], dim=0)
+
+
+def _cls_to_front(values: list[Any], p: dict[str, Any], index: int) -> Any:
+    import torch
+
+    x = values[0]
+    return torch.cat([x[-1:], x[:-1]], dim=0)
+
+
+_register(
+    TransformDef(
+        "cls_last",
+        _cls_to_end,
+        _cls_to_front,
+        doc="ViT position embeddings: the class token's row is first on the HF side, last on the Cerebras side",
+    )
+)
+
+
 # --- rotary ----------------------------------------------------------------------------------
 
 
@@ -324,6 +348,28 @@ def _lm_head(values: list[Any], p: dict[str, Any], index: int) -> Any:
     return (torch.randn(tuple(emb.shape), generator=g, dtype=torch.float32) * 0.02).to(emb.dtype)
 
 
+def _random_init(values: list[Any], p: dict[str, Any], index: int) -> Any:
+    """A fresh layer's weights, as the Model Zoo initializes a layer the other side does not have.
+
+    ``dist: normal`` draws N(0, ``scale``); ``dist: uniform`` draws U(-``scale``, ``scale``). The
+    generator is seeded (``seed``, default 0) so a conversion is reproducible. float32 unless
+    ``dtype`` is given.
+    """
+    import torch
+
+    shape = tuple(int(s) for s in p["shape"])
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    if values and values[0].device.type == "meta":  # planning: shape and dtype only
+        return torch.empty(shape, dtype=dtype, device="meta")
+    g = torch.Generator().manual_seed(int(p.get("seed", 0)))
+    scale = float(p["scale"])
+    if p.get("dist", "normal") == "uniform":
+        out = torch.rand(shape, generator=g, dtype=torch.float64) * (2 * scale) - scale
+    else:
+        out = torch.randn(shape, generator=g, dtype=torch.float64) * scale
+    return out.to(dtype)
+
+
 _same(_causal_mask, "causal_mask", "lower-triangular uint8 ones [1, 1, size, size]", generator=True)
 _same(_scalar, "scalar", "a 0-d tensor holding `value` (dtype `dtype`, default float32)", generator=True)
 _same(_inv_freq, "inv_freq", "rotary inverse frequencies, float32 [rotary_dim / 2]", generator=True)
@@ -339,6 +385,16 @@ _register(
 )
 _same(_position_ids, "position_ids", "int64 [1, size] holding 0 .. size-1", generator=True)
 _same(_zeros, "zeros", "zeros of `shape` (dtype of the anchor unless `dtype` is given)", generator=True)
+_register(
+    TransformDef(
+        "random_init",
+        _random_init,
+        _random_init,
+        generator=True,
+        doc="a new layer's weights: N(0, scale) or U(-scale, scale) (`dist`) of `shape`, seeded, float32",
+        literal=("dist", "dtype"),
+    )
+)
 _same(_lm_head, "lm_head", "a headless model's LM head: copy of the anchor if `tie`, else N(0, 0.02)", peak=1.0)
 
 

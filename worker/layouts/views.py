@@ -1,6 +1,6 @@
 """A checkpoint seen under other key names, so a family's plan can run on part of a checkpoint.
 
-Wrappers (a DPO policy, a DPR encoder) hold a model's keys under a prefix. :class:`KeyView`
+Wrappers (a DPO policy, a DPR encoder, LLaVA's parts) hold a model's keys under a prefix. :class:`KeyView`
 renames them to what the model's own table expects and hides the rest; a plan made over the view
 is then turned back to the checkpoint's own keys with :func:`plan_on_source`, so execution reads
 the real source and nothing is copied.
@@ -9,12 +9,12 @@ the real source and nothing is copied.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, UnmatchedKeys
 from worker.formats.base import Entry, TensorSource
-from worker.plan import Plan
+from worker.plan import Plan, Step
 from worker.tree import TreeSpec, flat_dict_spec
 
 
@@ -79,9 +79,12 @@ def replace_model_spec(spec: TreeSpec, inner_keys: list[str]) -> TreeSpec:
 
 
 def plan_on_source(plan: Plan, view: KeyView) -> Plan:
-    """A plan made over ``view`` reading the viewed checkpoint's own keys."""
+    """A plan made over ``view`` reading the viewed checkpoint's own keys (and naming them in its
+    dropped and unmatched lists; the keys the view hides are dropped)."""
     steps = [replace(s, inputs=tuple(view.original.get(k, k) for k in s.inputs)) for s in plan.steps]
-    return replace(plan, steps=steps, dropped=[*plan.dropped, *view.hidden])
+    dropped = [view.original.get(k, k) for k in plan.dropped]
+    unmatched = [view.original.get(k, k) for k in plan.unmatched]
+    return replace(plan, steps=steps, dropped=[*dropped, *view.hidden], unmatched=unmatched)
 
 
 def rename_outputs(plan: Plan, rename: Callable[[str], str | None]) -> Plan:
@@ -96,3 +99,69 @@ def rename_outputs(plan: Plan, rename: Callable[[str], str | None]) -> Plan:
         target = rename(s.out.target) if s.out.kind == "link" and s.out.target else s.out.target
         steps.append(replace(s, out=replace(s.out, key=key, target=target)))
     return replace(plan, steps=steps, dropped=dropped)
+
+
+# --- models made of parts (DPR's two encoders, LLaVA's tower + language model) ------------------
+
+
+def part_plan(
+    source: TensorSource,
+    rename_in: Callable[[str], str | None],
+    rename_out: Callable[[str], str | None],
+    config: Any,
+    req: Any,
+    *,
+    strict: bool,
+) -> tuple[Plan, Any]:
+    """Plan one part of a composite model through its family's table.
+
+    ``rename_in`` shows the part's keys as that table expects them (None: not this part's),
+    ``rename_out`` names its outputs as the composite model does (None: not kept). The plan reads
+    the real source keys; ``dropped`` and ``unmatched`` name source keys of this part only.
+    """
+    from worker.layouts.planner import build_plan
+
+    view = KeyView(source, rename_in)
+    plan, conf = build_plan(view, config, req, strict=strict)
+    on_source = plan_on_source(plan, view)
+    # This part's own dropped keys: not the keys the view hides (other parts'), nor the outputs
+    # rename_outputs leaves out.
+    own_dropped = on_source.dropped[: len(plan.dropped)]
+    plan = rename_outputs(on_source, rename_out)
+    plan.dropped = own_dropped
+    return plan, conf
+
+
+@dataclass
+class PartsPlan:
+    """The plans of a composite model's parts, put together into one."""
+
+    steps: list[Step] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+    def add(self, plan: Plan, label: str, keep_warning: Callable[[str], bool] = lambda w: True) -> None:
+        self.steps += plan.steps
+        self.warnings += [f"{label}: {w}" for w in plan.warnings if keep_warning(w)]
+        self.unmatched += plan.unmatched
+        self.dropped += plan.dropped
+
+    def plan(self, source: TensorSource, spec: TreeSpec | None, *, model: str, strict: bool, drop: bool) -> Plan:
+        """The whole plan; a source key no part reads or drops is unmatched (nothing vanishes)."""
+        seen = {k for s in self.steps for k in s.inputs} | set(self.dropped) | set(self.unmatched)
+        unmatched = self.unmatched + [e.key for e in source.entries() if e.key not in seen]
+        if unmatched and strict and not drop:
+            raise UnmatchedKeys(
+                f"{len(unmatched)} checkpoint keys belong to no part of {model}: "
+                + ", ".join(unmatched[:20])
+                + (" ..." if len(unmatched) > 20 else ""),
+                keys=unmatched,
+                hint="check --model and the checkpoint, or pass --drop-unmatched-keys to drop them",
+            )
+        warnings = list(self.warnings)
+        if unmatched and drop:
+            warnings.append(f"{len(unmatched)} unmatched keys were dropped: " + ", ".join(unmatched[:20]))
+        plan = Plan(list(self.steps), spec)
+        plan.warnings, plan.unmatched, plan.dropped = warnings, unmatched, list(self.dropped)
+        return plan

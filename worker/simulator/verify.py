@@ -37,6 +37,10 @@ NOT_SIMULATED = {
     "dpo": "the simulator has no DPO model (policy + reference); convert the DPO checkpoint to hf "
     "and verify the language model with its own name",
     "dpr": "the simulator has no DPR model; each encoder is a BERT encoder converted by the bert table",
+    "clip-vit": "the simulator has no ViT model; the conversion is checked tensor by tensor and against "
+    "transformers' CLIPVisionModel in the test suite",
+    "llava": "the simulator has no LLaVA model; its language model is a Llama converted by the llama table "
+    "(verify text_model/ with --model llama) and its vision tower a CLIP ViT converted by the clip-vit table",
 }
 
 # Model Zoo name -> (transformers class, headless transformers class)
