@@ -394,6 +394,8 @@ def test_cs_config_required_sections(tmp_path: Path) -> None:
     del doc["model"]["projector"]
     with pytest.raises(ConfigConversionError, match="projector"):
         plan_model(r.target, model="llava", src_fmt="cs-2.9", tgt_fmt="hf", config=doc)
+    with pytest.raises(NoConversionPath, match=r"image_model/config\.json and text_model/config\.json"):
+        convert_config_dict(_yaml(r)[1], model="llava", src_fmt="cs-2.9", tgt_fmt="hf")
     doc = _yaml(r)[1]
     doc["model"]["projector"]["image_model"]["layers_activation"] = ["relu", None]
     with pytest.raises(ConfigConversionError, match="layers_activation"):

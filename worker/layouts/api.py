@@ -317,9 +317,10 @@ def convert_config_dict(doc: Mapping[str, Any], *, model: str, src_fmt: str, tgt
     """Convert a config document in memory (no checkpoint involved)."""
     if model == dpo.MODEL_NAME:
         return dpo.convert_dpo_config(doc, src_fmt=src_fmt, tgt_fmt=tgt_fmt)
-    if model == dpr.MODEL_NAME:
+    if model in COMPOSITES:
+        parts = " and ".join(f"{c}/config.json" for c in COMPOSITES[model].COMPONENTS)
         raise NoConversionPath(
-            "a DPR config is one file per encoder on the Hugging Face side; convert-config takes one file",
+            f"a {model} config is {parts} on the Hugging Face side; convert-config takes one file",
             hint="run convert-model --dry-run on the checkpoint: it shows the converted config(s)",
         )
     fam, var = resolve(model)
