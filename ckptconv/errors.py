@@ -307,6 +307,11 @@ class DataloaderStateError(ConversionError):
     title = "Dataloader state cannot be converted"
 
 
+class SparsityStateError(ConversionError):
+    code = "sparsity_state_error"
+    title = "Sparsity state cannot be converted"
+
+
 class SpecRepairError(ConversionError):
     code = "spec_repair_error"
     title = "Legacy checkpoint cannot be repaired"

@@ -735,7 +735,15 @@ def _plan_cs_to_cs(fam, var, source, entries, by_key, config, path, req, warning
     return plan, conf
 
 
-def _sparsity_move(source, by_key, model_entries, lora_consumed, src_node, tgt_node, warnings):
+def _sparsity_move(
+    source: TensorSource,
+    by_key: Mapping[str, Entry],
+    model_entries: list[Entry],
+    lora_consumed: set[str] | frozenset[str],
+    src_node: str,
+    tgt_node: str,
+    warnings: list[str],
+) -> sparsity.MaskMove | None:
     """Plan the move of 2.0/2.1 sparsity masks (``optimizer.sparsity``) into the model for a 2.2+
     target (``worker.layouts.sparsity``); warn when 2.2+ masks go to an older release."""
     src, tgt = upgrades.release_of(src_node), upgrades.release_of(tgt_node)
