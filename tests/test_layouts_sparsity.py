@@ -268,3 +268,60 @@ def test_malformed_masks_are_refused(tmp_path: Path) -> None:
     state = old_state()
     state["model"][f"model.{FFN}_mask"] = torch.ones(16, 8, dtype=torch.bool)
     assert "already has" in _refused(tmp_path / "d", state).message
+
+
+def test_export_applies_2_2_masks(tmp_path: Path) -> None:
+    """A 2.2+ sparse checkpoint keeps ``<p>_mask`` buffers; towards Hugging Face each mask is applied
+    to its weight (before the rotary permutation of q/k), so the HF model computes with the pruned
+    weights the Cerebras model used."""
+    transformers = pytest.importorskip("transformers")
+    from test_layouts_families import _randomize, load_dir
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    hf_model = _randomize(transformers.LlamaForCausalLM(cfg), seed=4)
+    hf_model.save_pretrained(tmp_path / "hf")
+    r = convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
+    cfg_path = next(o.uri for o in r.outputs if o.uri.endswith(".yaml"))
+    src = open_checkpoint(r.target)
+    try:
+        state = read_checkpoint(src)
+    finally:
+        src.close()
+    g = torch.Generator().manual_seed(1)
+    pruned = {"q_proj": "self_attn.proj_q_dense_layer.weight", "up_proj": "ffn.ffn.0.linear_layer.weight"}
+    for cs_name in pruned.values():
+        w = state["model"][f"transformer_decoder.layers.0.{cs_name}"]
+        state["model"][f"transformer_decoder.layers.0.{cs_name}_mask"] = torch.rand(w.shape, generator=g) > 0.5
+    write_checkpoint(str(tmp_path / "sparse.mdl"), state, cstorch_version="2.9.0")
+
+    back = convert_model(
+        str(tmp_path / "sparse.mdl"),
+        str(tmp_path / "back"),
+        model="llama",
+        src_fmt="cs-2.9",
+        tgt_fmt="hf",
+        config=cfg_path,
+    )
+    assert any("2 sparsity masks were applied" in w for w in back.warnings)
+    got = load_dir(back.target)
+    assert not [k for k in got if k.endswith("_mask")]
+    # Prune the original HF model by the same masks (mapped to HF rows: q is rotary-permuted).
+    from worker.layouts.transforms import rope_permute
+
+    expected = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    for hf_name, cs_name in pruned.items():
+        mask = state["model"][f"transformer_decoder.layers.0.{cs_name}_mask"]
+        if hf_name == "q_proj":
+            mask = rope_permute(mask, 8, 8, to_cs=False)
+        key = f"model.layers.0.{'self_attn' if hf_name == 'q_proj' else 'mlp'}.{hf_name}.weight"
+        expected[key] = expected[key].masked_fill(~mask, 0)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+    pruned_model = _randomize(transformers.LlamaForCausalLM(cfg), seed=0)
+    pruned_model.load_state_dict(expected)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(back.target).eval()
+    ids = torch.randint(0, 64, (2, 7), generator=g)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, pruned_model.eval()(ids).logits)

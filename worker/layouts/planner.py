@@ -577,7 +577,11 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
     env = _env(fam, conf)
     lora_consumed = {s.a for s in sites} | {s.b for s in sites}
     lora_by_base = {s.base: s for s in sites}
-    keys = [k for k in order if k not in lora_consumed]
+    # Sparse training (2.2+) keeps each parameter's mask as a buffer ``<p>_mask``: Hugging Face has
+    # no such buffer, so the mask is applied (pruned weights written as 0, what the model computed with).
+    masks = {k[: -len(sparsity.MASK_SUFFIX)]: k for k in order if k.endswith(sparsity.MASK_SUFFIX)}
+    masks = {p: m for p, m in masks.items() if p in canon_to_src}
+    keys = [k for k in order if k not in lora_consumed and k not in masks.values()]
     mapping = map_keys(fam.rules_for(var), "export", keys, env, absent=absent)
     warnings += mapping.warnings + mapping.incomplete
 
@@ -590,6 +594,8 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
             base = Pre((src, a, b), _lora_fn(site), f"LoRA fold x{site.scale:g}")
         else:
             base = Pre((src,))
+        if canon in masks:
+            base = _masked(base, _resolve_links(by_key, canon_to_src[masks[canon]]))
         f = conf.mup.factor(canon) if conf.mup is not None else None
         if f is None:
             return base
@@ -607,8 +613,11 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
     plan = Plan(steps, None)
     plan.unmatched = [canon_to_src[k] for k in mapping.unmatched]
     plan.dropped = [canon_to_src.get(k, k) for k in mapping.dropped] + [canon_to_src[k] for k in lora_consumed]
+    plan.dropped += [canon_to_src[k] for k in masks.values()]
     if sites:
         warnings.append(f"{len(sites)} LoRA adapters were folded into their base weights")
+    if masks:
+        warnings.append(f"{len(masks)} sparsity masks were applied to their weights (pruned weights written as 0)")
     state = [e for e in rest if not e.key.startswith("__metadata__")]
     if state:
         tops = sorted({e.key.split(".", 1)[0] for e in state})
@@ -617,6 +626,18 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
         )
         plan.dropped += [e.key for e in state]
     return plan, conf
+
+
+def _masked(pre: Pre, mask_key: str) -> Pre:
+    """``pre`` with a sparsity mask applied to its value (0 where the mask is false)."""
+    keys = (*pre.keys, mask_key)
+    inner = pre.fn
+
+    def fn(vs: list[Any]) -> Any:
+        w = inner(vs[:-1]) if inner is not None else vs[0]
+        return w.masked_fill(~vs[-1].bool(), 0)
+
+    return Pre(keys, fn, f"{pre.label}; sparsity mask" if pre.label else "sparsity mask")
 
 
 def sideband_sparsity(config: Mapping[str, Any]) -> bool:
