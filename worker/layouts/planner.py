@@ -148,7 +148,7 @@ def convert_config_doc(
         model = cs_model_section(at)
         release = upgrades.release_of(cs_nodes[-1])
         mup = None
-        if folding.is_mup(model, release):
+        if table.params.get("mup") != "native" and folding.is_mup(model, release):
             if not fold_mup:
                 raise ConfigConversionError(
                     "this is a muP model; Hugging Face has no muP, so its weights must be folded",
@@ -404,6 +404,15 @@ def build_plan(
     by_key = {e.key: e for e in entries}
     warnings: list[str] = [detected] if detected else []
     hf_style = {f"cs-{r}" for r in fam.hf_style_releases}
+    if "hf" in (src_node, tgt_node) and {src_node, tgt_node} & hf_style:
+        # The HF-style release is reached from the CS vocabulary (cs-1.7), not from hf directly.
+        old = next(iter({src_node, tgt_node} & hf_style))
+        route = f"hf -> cs-1.7 -> {old}" if src_node == "hf" else f"{old} -> cs-1.7 -> hf"
+        raise NoConversionPath(
+            f"{fam.name} {old} keys the model with Hugging Face style names; {req.src_fmt} -> {req.tgt_fmt} "
+            "is not planned in one pass",
+            hint=f"convert in two steps through cs-1.7 ({route})",
+        )
     if src_node != "hf" and tgt_node != "hf" and (src_node in hf_style) != (tgt_node in hf_style):
         plan, conf = _plan_hf_style(fam, var, source, entries, by_key, dict(config), path, warnings, hf_style)
     elif src_node == "hf":
