@@ -24,7 +24,7 @@ from ckptconv.errors import ConfigConversionError, NoConversionPath
 from worker.formats.base import TensorSource
 from worker.layouts import upgrades
 from worker.layouts.registry import release_key
-from worker.layouts.views import PartsPlan, part_plan
+from worker.layouts.views import PartsPlan, composite_model_section, part_plan
 from worker.tree import flat_dict_spec, wrap_spec
 
 if TYPE_CHECKING:
@@ -213,18 +213,7 @@ def _from_cs(key: str, e: Encoder) -> str | None:
 
 
 def _cs_model(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    from worker.layouts.config import cs_model_section
-
-    if config is None:
-        raise ConfigConversionError("a DPR checkpoint needs its run config", hint="pass the YAML with --config")
-    model = cs_model_section(config)
-    missing = [e.directory for e in ENCODERS if e.directory not in model]
-    if missing:
-        raise ConfigConversionError(
-            f"the config's model section has no {', '.join(missing)}: it is not a DPR config",
-            hint="a DPR config holds model.q_encoder and model.ctx_encoder",
-        )
-    return model
+    return composite_model_section(config, "DPR", COMPONENTS)
 
 
 def hf_config_files(plan: Plan, target_dir: str, final_target: str) -> dict[str, bytes]:

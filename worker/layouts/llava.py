@@ -35,7 +35,7 @@ from ckptconv.errors import ConfigConversionError, ConversionError, NoConversion
 from worker.formats.base import Entry, TensorSource
 from worker.layouts import upgrades
 from worker.layouts.registry import release_key
-from worker.layouts.views import PartsPlan, part_plan
+from worker.layouts.views import PartsPlan, composite_model_section, part_plan
 from worker.plan import IDENTITY, Step
 from worker.tree import flat_dict_spec, wrap_spec
 
@@ -50,6 +50,8 @@ COMPONENTS = [IMAGE, TEXT]
 # Hugging Face keys of the vision tower start with ``vision_model.``; everything else is the LM's.
 ROUTES = [(IMAGE, "vision_model."), (TEXT, "")]
 IMAGE_FAMILY, TEXT_FAMILY = "clip-vit", "llama"
+# (part, its family table, the prefix that table keys the part's Cerebras keys with)
+PARTS = ((IMAGE, IMAGE_FAMILY, "model.vit_model."), (TEXT, TEXT_FAMILY, "model."))
 PROJECTOR_HF = re.compile(r"model\.mm_projector\.(\d+)\.(weight|bias)")
 PROJECTOR_CS = re.compile(r"model\.projector_image_model\.ffn\.(\d+)\.linear_layer\.(weight|bias)")
 PROJECTOR_TYPE = re.compile(r"mlp(\d+)x_gelu")
@@ -327,27 +329,21 @@ def build_llava_plan(
                 hint="point the source at that directory",
             )
         configs = read_hf_configs(source)
-        vision_hf = _vision_config(configs[IMAGE])
         llama_hf, llava = _split_text_config(configs[TEXT])
-        image_plan, image_conf = part_plan(
-            source,
-            lambda k: k if owner(k) == IMAGE else None,
-            _to_cs(IMAGE, "model.vit_model."),
-            vision_hf,
-            replace(req, model=IMAGE_FAMILY, src_fmt="hf", tgt_fmt=tgt),
-            strict=strict,
-        )
-        parts.add(image_plan, IMAGE, keep_warning=_not_about_classifier)
-        text_plan, text_conf = part_plan(
-            source,
-            lambda k: k if owner(k) == TEXT and not _projector_or_tower(k) else None,
-            _to_cs(TEXT, "model."),
-            llama_hf,
-            replace(req, model=TEXT_FAMILY, src_fmt="hf", tgt_fmt=tgt),
-            strict=strict,
-        )
-        parts.add(text_plan, TEXT)
-        model = import_llava_config(image_conf.target["model"], text_conf.target["model"], llava)
+        hf_in = {IMAGE: _vision_config(configs[IMAGE]), TEXT: llama_hf}
+        confs = {}
+        for part, family, inner in PARTS:
+            plan, conf = part_plan(
+                source,
+                lambda k, part=part: k if owner(k) == part and not _projector_or_tower(k) else None,
+                _to_cs(part, inner),
+                hf_in[part],
+                replace(req, model=family, src_fmt="hf", tgt_fmt=tgt),
+                strict=strict,
+            )
+            parts.add(plan, part, keep_warning=_not_about_classifier)
+            confs[part] = conf
+        model = import_llava_config(confs[IMAGE].target["model"], confs[TEXT].target["model"], llava)
         projector = _projector_steps_from_hf(source)
         if not projector:
             text_entries = [e for e in source.entries() if owner(e.key) == TEXT and e.is_data]
@@ -362,29 +358,23 @@ def build_llava_plan(
         doc = {"model": model}
         spec = wrap_spec("model", flat_dict_spec([s.out.key[len("model.") :] for s in parts.steps]))
         plan = parts.plan(source, spec, model=MODEL_NAME, strict=strict, drop=req.drop_unmatched_keys)
-        conf_out = ConfigResult(doc, {}, {}, [], image_conf.ignored + text_conf.ignored)
+        conf_out = ConfigResult(doc, {}, {}, [], confs[IMAGE].ignored + confs[TEXT].ignored)
     else:
         if config is None:
             config = metadata_params(source, source.entries())
         model = _cs_model(config)
-        image_plan, image_conf = part_plan(
-            source,
-            _from_cs("model.image_model.", "model.vit_model."),
-            lambda k: k,
-            {"model": _without_name(model[IMAGE])},
-            replace(req, model=IMAGE_FAMILY, src_fmt=src, tgt_fmt="hf"),
-            strict=strict,
-        )
-        parts.add(image_plan, IMAGE, keep_warning=_not_training_state)
-        text_plan, text_conf = part_plan(
-            source,
-            _from_cs("model.text_model.", "model."),
-            lambda k: k,
-            {"model": _without_name(model[TEXT])},
-            replace(req, model=TEXT_FAMILY, src_fmt=src, tgt_fmt="hf"),
-            strict=strict,
-        )
-        parts.add(text_plan, TEXT, keep_warning=_not_training_state)
+        hf_out = {}
+        for part, family, inner in PARTS:
+            plan, conf = part_plan(
+                source,
+                _from_cs(f"model.{part}.", inner),
+                lambda k: k,
+                {"model": _without_name(model[part])},
+                replace(req, model=family, src_fmt=src, tgt_fmt="hf"),
+                strict=strict,
+            )
+            parts.add(plan, part, keep_warning=_not_training_state)
+            hf_out[part] = conf.target
         parts.steps += _projector_steps_to_hf(source)
         parts.dropped += [e.key for e in source.entries() if e.key.startswith("model.projector_text_model.")]
         rest = [e.key for e in source.entries() if not e.key.startswith("model.")]
@@ -392,8 +382,7 @@ def build_llava_plan(
         if state:
             parts.warnings.append(f"training state is not converted to Hugging Face ({len(state)} entries dropped)")
         parts.dropped += rest
-        text_hf = {**text_conf.target, **export_llava_fields(model)}
-        hf_configs = {IMAGE: image_conf.target, TEXT: text_hf}
+        hf_configs = {IMAGE: hf_out[IMAGE], TEXT: {**hf_out[TEXT], **export_llava_fields(model)}}
         plan = parts.plan(source, None, model=MODEL_NAME, strict=strict, drop=req.drop_unmatched_keys)
         plan.extras["components"] = ROUTES
         plan.extras["preprocessor"] = preprocessor_config(model[IMAGE])
@@ -441,18 +430,7 @@ def _without_name(section: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _cs_model(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    from worker.layouts.config import cs_model_section
-
-    if config is None:
-        raise ConfigConversionError("a LLaVA checkpoint needs its run config", hint="pass the YAML with --config")
-    model = cs_model_section(config)
-    missing = [p for p in (IMAGE, TEXT, "projector") if not isinstance(model.get(p), Mapping)]
-    if missing:
-        raise ConfigConversionError(
-            f"the config's model section has no {', '.join(missing)}: it is not a LLaVA config",
-            hint="a LLaVA config holds model.image_model, model.text_model and model.projector",
-        )
-    return model
+    return composite_model_section(config, "LLaVA", [IMAGE, TEXT, "projector"])
 
 
 def hf_config_files(plan: Plan, target_dir: str, final_target: str) -> dict[str, bytes]:

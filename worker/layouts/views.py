@@ -8,11 +8,11 @@ the real source and nothing is copied.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptconv.errors import ConversionError, UnmatchedKeys
+from ckptconv.errors import ConfigConversionError, ConversionError, UnmatchedKeys
 from worker.formats.base import Entry, TensorSource
 from worker.plan import Plan, Step
 from worker.tree import TreeSpec, flat_dict_spec
@@ -165,3 +165,19 @@ class PartsPlan:
         plan = Plan(list(self.steps), spec)
         plan.warnings, plan.unmatched, plan.dropped = warnings, unmatched, list(self.dropped)
         return plan
+
+
+def composite_model_section(config: Any, model: str, sections: list[str]) -> dict[str, Any]:
+    """The model section of a composite model's Cerebras config, which must hold ``sections``."""
+    from worker.layouts.config import cs_model_section
+
+    if config is None:
+        raise ConfigConversionError(f"a {model} checkpoint needs its run config", hint="pass the YAML with --config")
+    section = cs_model_section(config)
+    missing = [p for p in sections if not isinstance(section.get(p), Mapping)]
+    if missing:
+        raise ConfigConversionError(
+            f"the config's model section has no {', '.join(missing)}: it is not a {model} config",
+            hint=f"a {model} config holds " + ", ".join(f"model.{p}" for p in sections),
+        )
+    return section
