@@ -31,17 +31,15 @@ class ComponentSource(TensorSource):
         self.format = "components"
         self.names = list(names)
         self.parts: dict[str, TensorSource] = {}
-        self._owner: dict[str, TensorSource] = {}
-        self._component: dict[str, str] = {}
+        self._component: dict[str, str] = {}  # key -> the component it was read from
         self._entries: list[Entry] = []
         try:
             for name in self.names:
                 part = open_source(storage.join(self.uri, name))
                 self.parts[name] = part
                 for e in part.entries():
-                    if e.key in self._owner:
+                    if e.key in self._component:
                         raise KeyCollision(f"{e.key!r} is in two components ({name} and another)", key=e.key)
-                    self._owner[e.key] = part
                     self._component[e.key] = name
                     self._entries.append(e)
         except BaseException:
@@ -52,7 +50,7 @@ class ComponentSource(TensorSource):
         return list(self._entries)
 
     def read(self, key: str) -> Any:
-        return self._owner[key].read(key)
+        return self.parts[self._component[key]].read(key)
 
     def component_of(self, key: str) -> str:
         """The sub-directory ``key`` was read from."""

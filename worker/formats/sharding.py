@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -152,7 +152,7 @@ def tie_groups(entries: Iterable[Entry]) -> list[list[Entry]]:
     return order
 
 
-def resolve_link(key: str, by_key: dict[str, Entry]) -> str | None:
+def resolve_link(key: str, by_key: Mapping[str, Entry]) -> str | None:
     """The key a link finally aliases (following chains), or None when it points nowhere."""
     seen = {key}
     e = by_key.get(key)

@@ -20,11 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.errors import ConfigConversionError, NoConversionPath
+from ckptconv.errors import ConfigConversionError
 from worker.formats.base import TensorSource
-from worker.layouts import upgrades
 from worker.layouts.registry import release_key
-from worker.layouts.views import PartsPlan, composite_model_section, part_plan
+from worker.layouts.views import (
+    PartsPlan,
+    component_configs,
+    composite_formats,
+    composite_model_section,
+    part_plan,
+)
 from worker.tree import flat_dict_spec, wrap_spec
 
 if TYPE_CHECKING:
@@ -72,31 +77,6 @@ def _retrieval_defaults(release: str) -> dict[str, Any]:
     return dict(RETRIEVAL_DEFAULTS["2.3" if release_key(release) >= release_key("2.3") else "2.2"])
 
 
-def _check_formats(req: Request) -> tuple[str, str]:
-    src = upgrades.parse_format(req.src_fmt, side="source")
-    tgt = upgrades.parse_format(req.tgt_fmt, side="target")
-    cs = tgt if src == "hf" else src
-    if {src, tgt} & {"hf"} != {"hf"} or cs == "hf" or release_key(cs[3:]) < release_key(FIRST_RELEASE):
-        raise NoConversionPath(
-            f"dpr converts hf <-> cs-{FIRST_RELEASE} ... cs-{upgrades.CURRENT_RELEASE}, "
-            f"not {req.src_fmt} -> {req.tgt_fmt}",
-            hint="name the release (cs-X.Y) on the Cerebras side",
-        )
-    return src, tgt
-
-
-def read_hf_configs(source: TensorSource) -> dict[str, dict[str, Any]]:
-    """The ``config.json`` of each encoder directory of a DPR Hugging Face checkpoint."""
-    from worker.layouts.api import load_config
-
-    out = {}
-    for e in ENCODERS:
-        doc, _ = load_config(source.storage.join(source.uri.rstrip("/"), e.directory, "config.json"))
-        assert doc is not None
-        out[e.directory] = doc
-    return out
-
-
 def _bert_hf_config(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     if hf.get("model_type") not in ("dpr", None):
         raise ConfigConversionError(f"{where}/config.json has model_type {hf.get('model_type')!r}, not dpr")
@@ -125,10 +105,10 @@ def build_dpr_plan(
     """Plan a DPR conversion (see the module docstring)."""
     from worker.layouts.planner import ConfigResult, metadata_params
 
-    src, tgt = _check_formats(req)
+    src, tgt = composite_formats(req, source, MODEL_NAME, FIRST_RELEASE, COMPONENTS)
     parts = PartsPlan()
     if src == "hf":
-        configs = read_hf_configs(source)
+        configs = component_configs(source, COMPONENTS)
         sections: dict[str, Any] = {}
         for e in ENCODERS:
             plan, conf = part_plan(
@@ -164,13 +144,9 @@ def build_dpr_plan(
                 _bert(req),
                 strict=strict,
             )
-            parts.add(plan, e.directory, keep_warning=lambda w: "training state" not in w and not _about_heads(w))
+            parts.add(plan, e.directory, keep_warning=lambda w: not _about_heads(w))
             hf_configs[e.directory] = _dpr_hf_config(conf.target, e)
-        rest = [x.key for x in source.entries() if not x.key.startswith("model.")]
-        state = [k for k in rest if not k.startswith("__metadata__")]
-        if state:
-            parts.warnings.append(f"training state is not converted to Hugging Face ({len(state)} entries dropped)")
-        parts.dropped += rest
+        parts.drop_outside_model(source)
         result = parts.plan(source, None, model=MODEL_NAME, strict=strict, drop=req.drop_unmatched_keys)
         conf_out = ConfigResult(hf_configs, {}, {}, [], [])
         result.extras["components"] = routes()

@@ -33,9 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckptconv.errors import ConfigConversionError, ConversionError, NoConversionPath
 from worker.formats.base import Entry, TensorSource
-from worker.layouts import upgrades
-from worker.layouts.registry import release_key
-from worker.layouts.views import PartsPlan, composite_model_section, part_plan
+from worker.layouts.views import (
+    PartsPlan,
+    component_configs,
+    composite_formats,
+    composite_model_section,
+    part_plan,
+)
 from worker.plan import IDENTITY, Step
 from worker.tree import flat_dict_spec, wrap_spec
 
@@ -113,36 +117,6 @@ PREPROCESSOR_DEFAULTS: dict[str, Any] = {
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "resample": 3,
 }
-
-
-def _check_formats(req: Request, source: TensorSource) -> tuple[str, str]:
-    from worker.layouts.planner import detect_release
-
-    src = upgrades.parse_format(req.src_fmt, side="source")
-    tgt = upgrades.parse_format(req.tgt_fmt, side="target")
-    if src == "cs-auto":
-        src, _ = detect_release(source, source.entries())
-    cs = tgt if src == "hf" else src
-    if {src, tgt} & {"hf"} != {"hf"} or cs == "hf" or release_key(cs[3:]) < release_key(FIRST_RELEASE):
-        raise NoConversionPath(
-            f"llava converts hf <-> cs-{FIRST_RELEASE} ... cs-{upgrades.CURRENT_RELEASE}, "
-            f"not {req.src_fmt} -> {req.tgt_fmt}",
-            hint="name the release (cs-X.Y) on the Cerebras side; the Hugging Face side is a directory "
-            "holding image_model/ and text_model/",
-        )
-    return src, tgt
-
-
-def read_hf_configs(source: TensorSource) -> dict[str, dict[str, Any]]:
-    """The ``config.json`` of ``image_model/`` and ``text_model/``."""
-    from worker.layouts.api import load_config
-
-    out = {}
-    for name in COMPONENTS:
-        doc, _ = load_config(source.storage.join(source.uri.rstrip("/"), name, "config.json"))
-        assert doc is not None
-        out[name] = doc
-    return out
 
 
 # --- configs ---------------------------------------------------------------------------------
@@ -319,7 +293,7 @@ def build_llava_plan(
     """Plan a LLaVA conversion (see the module docstring)."""
     from worker.layouts.planner import ConfigResult, metadata_params
 
-    src, tgt = _check_formats(req, source)
+    src, tgt = composite_formats(req, source, MODEL_NAME, FIRST_RELEASE, COMPONENTS)
     parts = PartsPlan()
     if src == "hf":
         owner = getattr(source, "component_of", None)
@@ -328,7 +302,7 @@ def build_llava_plan(
                 "a Hugging Face LLaVA checkpoint is a directory holding image_model/ and text_model/",
                 hint="point the source at that directory",
             )
-        configs = read_hf_configs(source)
+        configs = component_configs(source, COMPONENTS)
         llama_hf, llava = _split_text_config(configs[TEXT])
         hf_in = {IMAGE: _vision_config(configs[IMAGE]), TEXT: llama_hf}
         confs = {}
@@ -373,15 +347,11 @@ def build_llava_plan(
                 replace(req, model=family, src_fmt=src, tgt_fmt="hf"),
                 strict=strict,
             )
-            parts.add(plan, part, keep_warning=_not_training_state)
+            parts.add(plan, part)
             hf_out[part] = conf.target
         parts.steps += _projector_steps_to_hf(source)
         parts.dropped += [e.key for e in source.entries() if e.key.startswith("model.projector_text_model.")]
-        rest = [e.key for e in source.entries() if not e.key.startswith("model.")]
-        state = [k for k in rest if not k.startswith("__metadata__")]
-        if state:
-            parts.warnings.append(f"training state is not converted to Hugging Face ({len(state)} entries dropped)")
-        parts.dropped += rest
+        parts.drop_outside_model(source)
         hf_configs = {IMAGE: hf_out[IMAGE], TEXT: {**hf_out[TEXT], **export_llava_fields(model)}}
         plan = parts.plan(source, None, model=MODEL_NAME, strict=strict, drop=req.drop_unmatched_keys)
         plan.extras["components"] = ROUTES
@@ -401,10 +371,6 @@ def _projector_or_tower(key: str) -> bool:
 def _not_about_classifier(warning: str) -> bool:
     """The ViT table's classifier is dropped: LLaVA's image model has none."""
     return "classifier.classifier" not in warning
-
-
-def _not_training_state(warning: str) -> bool:
-    return "training state" not in warning
 
 
 def _to_cs(part: str, inner_prefix: str) -> Any:

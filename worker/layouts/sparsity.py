@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from ckptconv.errors import SparsityStateError
 from worker.formats.base import Entry
+from worker.formats.sharding import resolve_link
 from worker.plan import Step
 from worker.tree import DICT, LIST, ODICT, TUPLE, TreeSpec
 
@@ -230,14 +231,10 @@ def _leaf_keys(node: TreeSpec, prefix: str) -> list[str]:
 
 
 def _resolved(by_key: Mapping[str, Entry], key: str) -> Entry:
-    seen = 0
-    e = by_key.get(key)
-    while e is not None and e.kind == "link" and seen < 64:
-        e = by_key.get(e.target or "")
-        seen += 1
-    if e is None or e.kind == "link":
+    final = resolve_link(key, by_key)
+    if final is None:
         raise SparsityStateError(f"{key} is listed in the checkpoint's tree spec but has no stored value")
-    return e
+    return by_key[final]
 
 
 def copy_step(out_key: str, src_key: str, by_key: Mapping[str, Entry]) -> Step:

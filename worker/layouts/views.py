@@ -78,13 +78,14 @@ def replace_model_spec(spec: TreeSpec, inner_keys: list[str]) -> TreeSpec:
     return TreeSpec(spec.type, list(spec.context), children)
 
 
-def plan_on_source(plan: Plan, view: KeyView) -> Plan:
+def plan_on_source(plan: Plan, view: KeyView, *, drop_hidden: bool = True) -> Plan:
     """A plan made over ``view`` reading the viewed checkpoint's own keys (and naming them in its
-    dropped and unmatched lists; the keys the view hides are dropped)."""
+    dropped and unmatched lists). The keys the view hides are listed as dropped unless
+    ``drop_hidden`` is false (a part of a composite model: they are the other parts' keys)."""
     steps = [replace(s, inputs=tuple(view.original.get(k, k) for k in s.inputs)) for s in plan.steps]
-    dropped = [view.original.get(k, k) for k in plan.dropped]
+    dropped = [view.original.get(k, k) for k in plan.dropped] + (view.hidden if drop_hidden else [])
     unmatched = [view.original.get(k, k) for k in plan.unmatched]
-    return replace(plan, steps=steps, dropped=[*dropped, *view.hidden], unmatched=unmatched)
+    return replace(plan, steps=steps, dropped=dropped, unmatched=unmatched)
 
 
 def rename_outputs(plan: Plan, rename: Callable[[str], str | None]) -> Plan:
@@ -123,12 +124,9 @@ def part_plan(
 
     view = KeyView(source, rename_in)
     plan, conf = build_plan(view, config, req, strict=strict)
-    on_source = plan_on_source(plan, view)
-    # This part's own dropped keys: not the keys the view hides (other parts'), nor the outputs
-    # rename_outputs leaves out.
-    own_dropped = on_source.dropped[: len(plan.dropped)]
+    on_source = plan_on_source(plan, view, drop_hidden=False)
     plan = rename_outputs(on_source, rename_out)
-    plan.dropped = own_dropped
+    plan.dropped = on_source.dropped  # source keys only: not the outputs rename_outputs leaves out
     return plan, conf
 
 
@@ -146,6 +144,14 @@ class PartsPlan:
         self.warnings += [f"{label}: {w}" for w in plan.warnings if keep_warning(w)]
         self.unmatched += plan.unmatched
         self.dropped += plan.dropped
+
+    def drop_outside_model(self, source: TensorSource) -> None:
+        """Towards Hugging Face: every entry outside ``model`` (training state, metadata) is dropped."""
+        rest = [e.key for e in source.entries() if not e.key.startswith("model.")]
+        state = [k for k in rest if not k.startswith("__metadata__")]
+        if state:
+            self.warnings.append(f"training state is not converted to Hugging Face ({len(state)} entries dropped)")
+        self.dropped += rest
 
     def plan(self, source: TensorSource, spec: TreeSpec | None, *, model: str, strict: bool, drop: bool) -> Plan:
         """The whole plan; a source key no part reads or drops is unmatched (nothing vanishes)."""
@@ -181,3 +187,37 @@ def composite_model_section(config: Any, model: str, sections: list[str]) -> dic
             hint=f"a {model} config holds " + ", ".join(f"model.{p}" for p in sections),
         )
     return section
+
+
+def composite_formats(req: Any, source: TensorSource, model: str, first: str, components: list[str]) -> tuple[str, str]:
+    """(source, target) nodes of a composite model's conversion, which is hf <-> cs-``first`` ...
+    the newest release (``cs-auto`` read from the checkpoint)."""
+    from ckptconv.errors import NoConversionPath
+    from worker.layouts import upgrades
+    from worker.layouts.planner import detect_release
+    from worker.layouts.registry import release_key
+
+    src = upgrades.parse_format(req.src_fmt, side="source")
+    tgt = upgrades.parse_format(req.tgt_fmt, side="target")
+    if src == "cs-auto":
+        src, _ = detect_release(source, source.entries())
+    cs = tgt if src == "hf" else src
+    if {src, tgt} & {"hf"} != {"hf"} or cs == "hf" or release_key(cs[3:]) < release_key(first):
+        raise NoConversionPath(
+            f"{model} converts hf <-> cs-{first} ... cs-{upgrades.CURRENT_RELEASE}, not {req.src_fmt} -> {req.tgt_fmt}",
+            hint="name the release (cs-X.Y) on the Cerebras side; the Hugging Face side is a directory holding "
+            + " and ".join(f"{c}/" for c in components),
+        )
+    return src, tgt
+
+
+def component_configs(source: TensorSource, components: list[str]) -> dict[str, dict[str, Any]]:
+    """The ``config.json`` of each component directory of a composite Hugging Face checkpoint."""
+    from worker.layouts.api import load_config
+
+    out = {}
+    for name in components:
+        doc, _ = load_config(source.storage.join(source.uri.rstrip("/"), name, "config.json"))
+        assert doc is not None
+        out[name] = doc
+    return out
