@@ -6,10 +6,12 @@ setup:
 
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 
 test: setup
 	scripts/setup-tf-oracle.sh >/dev/null
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo:

@@ -266,7 +266,7 @@ def main() -> int:
     import httpx
     import redis
 
-    from service.auth import hash_key
+    from ckptconv.core.auth import hash_key
 
     tmp = Path(tempfile.mkdtemp(prefix="ckptconv-bench-"))
     (tmp / "keys.yaml").write_text(

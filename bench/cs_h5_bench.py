@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _convert(src_fmt: str, src: str, dst_fmt: str, dst: str, options: dict) -> None:
-    from worker.formats import sink_class, source_class
-    from worker.storage import open_storage
+    from ckptconv.formats import sink_class, source_class
+    from ckptconv.storage import open_storage
 
     source = source_class(src_fmt)(open_storage(src), src)
     sink = sink_class(dst_fmt)(open_storage(dst), dst, **options)
@@ -48,8 +48,8 @@ def _convert(src_fmt: str, src: str, dst_fmt: str, dst: str, options: dict) -> N
 
 
 def _read_only(src: str) -> None:
-    from worker.formats import source_class
-    from worker.storage import open_storage
+    from ckptconv.formats import source_class
+    from ckptconv.storage import open_storage
 
     source = source_class("cs-h5")(open_storage(src), src)
     for e in source.entries():
@@ -62,8 +62,8 @@ def child(args: list[str]) -> None:
     t0 = time.perf_counter()
     import torch  # noqa: F401 - the import cost is reported apart
 
-    import worker.formats.cs_h5
-    import worker.formats.safetensors_fmt  # noqa: F401
+    import ckptconv.formats.cs_h5
+    import ckptconv.formats.safetensors_fmt  # noqa: F401
 
     t1 = time.perf_counter()
     case, src, dst = args[0], args[1], args[2]

@@ -1,5 +1,5 @@
 import sys
 
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 
 sys.exit(main())

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from ckptconv.errors import CkptconvError, ServiceUnavailable, TimeLimitExceeded
+from ckptconv.core.errors import CkptconvError, ServiceUnavailable, TimeLimitExceeded
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -249,7 +249,7 @@ def verify_webhook(
     secret: str, headers: dict[str, str], body: bytes, *, tolerance_seconds: int = 300
 ) -> dict[str, Any]:
     """Check a completion webhook's Standard Webhooks signature; returns the parsed event."""
-    from service.webhooks import verify
+    from ckptconv.core.webhooks import verify
 
     verify(secret, headers, body, tolerance_seconds=tolerance_seconds)
     return json.loads(body)

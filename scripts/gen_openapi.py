@@ -18,8 +18,8 @@ OUTPUT = ROOT / "openapi" / "openapi.json"
 
 def render() -> str:
     sys.path.insert(0, str(ROOT))
+    from ckptconv.core.settings import Settings
     from service.app import create_app
-    from service.settings import Settings
 
     # The document does not depend on settings; development mode only avoids needing secrets.
     app = create_app(Settings(environment="development"))

@@ -16,14 +16,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from ckptconv import __version__
+from ckptconv.core.auth import KeyRegistry, load_keys_file
+from ckptconv.core.jobstore import AsyncJobStore, RedisKeys
+from ckptconv.core.settings import Settings, get_settings
 from service import problems
-from service.auth import KeyRegistry, load_keys_file
 from service.deps import BEARER_SCHEME, AppState
-from service.jobstore import AsyncJobStore, RedisKeys
 from service.queue import TaskMessages
 from service.routes import catalog, health, jobs, models, plans
 from service.schemas.common import PROBLEM_JSON, Problem
-from service.settings import Settings, get_settings
 
 DESCRIPTION = """\
 Convert deep-learning checkpoints between formats, as long-running jobs.

@@ -9,10 +9,10 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 
-from service.auth import DEV_PRINCIPAL, KeyRegistry, Principal
-from service.jobstore import AsyncJobStore, RedisKeys
+from ckptconv.core.auth import DEV_PRINCIPAL, KeyRegistry, Principal
+from ckptconv.core.jobstore import AsyncJobStore, RedisKeys
+from ckptconv.core.settings import Settings
 from service.queue import TaskMessages
-from service.settings import Settings
 
 
 @dataclass

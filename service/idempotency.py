@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import Request, Response
 
-from ckptconv.errors import CkptconvError, IdempotencyMismatch, IdempotentRequestInFlight
+from ckptconv.core.errors import CkptconvError, IdempotencyMismatch, IdempotentRequestInFlight
 from service.deps import AppState
 from service.schemas.common import PROBLEM_JSON
 

@@ -2,7 +2,7 @@
 
 Whatever was raised (a ckptconv error, a request validation error, Starlette's 404/405 for unknown
 routes, a lost Redis connection, a bug) is first turned into a
-:class:`~ckptconv.errors.CkptconvError` and then rendered by its ``to_problem``, so clients can
+:class:`~ckptconv.core.errors.CkptconvError` and then rendered by its ``to_problem``, so clients can
 always branch on ``code``.
 """
 
@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ckptconv import errors
+from ckptconv.core import errors
 from service.schemas.common import PROBLEM_JSON
 
 log = logging.getLogger("ckptconv.api")

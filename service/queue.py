@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import Celery
 
-from service.jobstore import RedisKeys
+from ckptconv.core.jobstore import RedisKeys
 
 # A hard time limit lets a stuck task be killed a little after its soft limit asked it to stop.
 HARD_LIMIT_GRACE_SECONDS = 60

@@ -12,7 +12,7 @@ import json
 import uuid
 from typing import Any
 
-from ckptconv.errors import CkptconvError, WorkerTimeout
+from ckptconv.core.errors import CkptconvError, WorkerTimeout
 from service.deps import AppState
 
 

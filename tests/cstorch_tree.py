@@ -26,8 +26,8 @@ import hdf5plugin  # noqa: F401 - LZ4 filter for h5py reads
 import numpy as np
 import torch
 
-from worker.formats.base import Entry, OpaqueObject, TensorSink, TensorSource, dtype_name
-from worker.tree import TreeSpec, flatten, unflatten
+from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, TensorSource, dtype_name
+from ckptconv.formats.tree import TreeSpec, flatten, unflatten
 
 # --- value trees ------------------------------------------------------------------------------
 

@@ -19,12 +19,12 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from ckptconv.errors import Unauthorized
+from ckptconv.core.auth import create_key, hash_key, load_keys_file
+from ckptconv.core.errors import Unauthorized
+from ckptconv.core.jobstore import JobStore, RedisKeys
+from ckptconv.core.settings import DEFAULT_WEBHOOK_SECRET, Settings
+from ckptconv.core.webhooks import sign, verify
 from service.app import create_app
-from service.auth import create_key, hash_key, load_keys_file
-from service.jobstore import JobStore, RedisKeys
-from service.settings import DEFAULT_WEBHOOK_SECRET, Settings
-from service.webhooks import sign, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = "application/problem+json"
@@ -90,9 +90,9 @@ def test_api_process_never_imports_torch_or_h5py(redis_url: str, tmp_path: Path)
     code = f"""
 import sys
 from fastapi.testclient import TestClient
-import ckptconv.client, ckptconv.commands.service, ckptconv.cli
+import ckptconv.client, ckptconv.cli.service, ckptconv.cli
 from service.app import create_app
-from service.settings import Settings
+from ckptconv.core.settings import Settings
 s = Settings(environment="development", auth_disabled=True, redis_url={redis_url!r},
              redis_prefix={prefix!r}, storage_probe_uri={str(tmp_path)!r})
 with TestClient(create_app(s)) as c:
@@ -417,7 +417,7 @@ def test_standard_webhooks_signature_round_trip() -> None:
 
 
 def test_webhook_destinations_on_private_networks_are_refused() -> None:
-    from service.webhooks import WebhookRefused, check_destination
+    from ckptconv.core.webhooks import WebhookRefused, check_destination
 
     for url in ("http://127.0.0.1:9/hook", "http://10.0.0.1/hook", "http://[::1]/hook", "http://169.254.169.254/"):
         with pytest.raises(WebhookRefused):

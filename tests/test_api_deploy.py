@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from ckptconv.cli import build_parser
+from ckptconv.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,6 +93,6 @@ def test_wheel_ships_the_layout_tables(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("ckptconv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    tables = sorted(p.name for p in (ROOT / "worker" / "layouts" / "families").glob("*.yaml"))
-    shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("worker/layouts/families/"))
+    tables = sorted(p.name for p in (ROOT / "ckptconv" / "engine" / "layouts" / "families").glob("*.yaml"))
+    shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("ckptconv/engine/layouts/families/"))
     assert tables and shipped == tables

@@ -38,7 +38,7 @@ from cstorch_tree import (
     write_all,
 )
 
-from ckptconv.errors import (
+from ckptconv.core.errors import (
     CorruptCheckpoint,
     IncompleteCheckpoint,
     KeyCollision,
@@ -48,12 +48,12 @@ from ckptconv.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
-from worker.formats import sink_class, source_class
-from worker.formats.base import Entry, OpaqueObject
-from worker.formats.cs_h5 import CsH5Sink, CsH5Source
-from worker.formats.cs_h5_chunks import lz4_decode_into, lz4_encode, slab_chunk_shape
-from worker.storage import open_storage
-from worker.tree import flatten
+from ckptconv.formats import sink_class, source_class
+from ckptconv.formats.base import Entry, OpaqueObject
+from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
+from ckptconv.formats.cs_h5_chunks import lz4_decode_into, lz4_encode, slab_chunk_shape
+from ckptconv.formats.tree import flatten
+from ckptconv.storage import open_storage
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cstorch"
 MDLS = sorted(FIXTURES.glob("*.mdl"))
@@ -387,8 +387,8 @@ def test_vector_6_values_and_objects(tmp_path):
 
 def _write_raw_record(path: Path, records: dict[str, dict], spec_keys: list[str]) -> None:
     """A 0.5 file built by hand from metadata records (for entry kinds no CPU save produces)."""
-    from worker.formats.cs_serializers import dumps_json, root_spec_text
-    from worker.tree import flat_dict_spec
+    from ckptconv.formats.cs_serializers import dumps_json, root_spec_text
+    from ckptconv.formats.tree import flat_dict_spec
 
     with h5py.File(path, "w") as f:
         f.attrs["__spec__"] = root_spec_text(flat_dict_spec(spec_keys))
@@ -412,7 +412,7 @@ def _nested_record(key: str, inner: dict, outer: dict) -> dict:
 
 
 def test_vector_9_deferred_full_tensor(tmp_path):
-    from worker.formats.cs_serializers import key_record, tensor_metadata
+    from ckptconv.formats.cs_serializers import key_record, tensor_metadata
 
     path = tmp_path / "csx.mdl"
     inner = {"shape": [2, 3], "dtype": "torch.bfloat16", "fill_value": 0.5, "__TYPE__": "DeferredFullTensor"}
@@ -436,7 +436,7 @@ def test_vector_9_deferred_full_tensor(tmp_path):
 
 @pytest.mark.parametrize("kind", ["DeferredSafeTensor", "DeferredGraphTensor", "DeferredObject", "FancySerializer"])
 def test_references_and_unknown_serializers_are_refused(kind, tmp_path):
-    from worker.formats.cs_serializers import key_record
+    from ckptconv.formats.cs_serializers import key_record
 
     path = tmp_path / "ref.mdl"
     _write_raw_record(path, {"K": key_record("K", {"path": "x.safetensors", "key": "w", "__TYPE__": kind})}, ["K"])
@@ -618,7 +618,7 @@ def test_not_hdf5_and_missing_files(tmp_path):
     bad.write_bytes(b"not an hdf5 file at all" * 10)
     with pytest.raises(CorruptCheckpoint, match="not a readable HDF5 file"):
         source(bad)
-    from ckptconv.errors import ObjectNotFound
+    from ckptconv.core.errors import ObjectNotFound
 
     with pytest.raises(ObjectNotFound):
         source(tmp_path / "absent.mdl")
@@ -691,7 +691,7 @@ def test_s3_reads_multi_chunk_tensors(chunking, s3_bucket, tmp_path):
 
 
 def _open_and_read_all(path: str, results) -> None:
-    from ckptconv.errors import CkptconvError
+    from ckptconv.core.errors import CkptconvError
 
     try:
         with source(path, allow_incomplete=True) as src:

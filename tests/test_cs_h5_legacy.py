@@ -25,10 +25,10 @@ import pytest
 import torch
 from cstorch_tree import assert_same_tree, copy_checkpoint, describe, load_tree
 
-from ckptconv.errors import CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
-from worker.formats.base import OpaqueObject
-from worker.formats.cs_h5 import CsH5Sink, CsH5Source
-from worker.storage import open_storage
+from ckptconv.core.errors import CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
+from ckptconv.formats.base import OpaqueObject
+from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
+from ckptconv.storage import open_storage
 
 # --- stand-ins for the classes a legacy spec pickle names ----------------------------------------
 

@@ -21,18 +21,18 @@ from cstorch_tree import (
     write_all,
 )
 
-from ckptconv.errors import (
+from ckptconv.core.errors import (
     CorruptCheckpoint,
     IncompleteCheckpoint,
     PathEscape,
     TargetExists,
     UnsafeCheckpoint,
 )
-from worker.formats import sink_class, source_class
-from worker.formats.base import OpaqueObject
-from worker.formats.cs_h5 import CsH5Sink, CsH5Source
-from worker.formats.cs_s3 import CsS3Sink, CsS3Source
-from worker.storage import open_storage
+from ckptconv.formats import sink_class, source_class
+from ckptconv.formats.base import OpaqueObject
+from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
+from ckptconv.formats.cs_s3 import CsS3Sink, CsS3Source
+from ckptconv.storage import open_storage
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cstorch"
 MDLS = sorted(FIXTURES.glob("*.mdl"))

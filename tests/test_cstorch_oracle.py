@@ -47,11 +47,12 @@ from cstorch_tree import (
     write_all,
 )
 
-from worker.engine import convert, open_source
-from worker.formats import sink_class, source_class
-from worker.formats.base import OpaqueObject, dtype_name
-from worker.storage import open_storage
-from worker.tree import unflatten
+from ckptconv.engine.convert import convert
+from ckptconv.formats import sink_class, source_class
+from ckptconv.formats.base import OpaqueObject, dtype_name
+from ckptconv.formats.detect import open_source
+from ckptconv.formats.tree import unflatten
+from ckptconv.storage import open_storage
 
 ORACLE_DIR = Path(__file__).resolve().parent / "cstorch_oracle"
 VENV = Path(os.environ.get("CKPTCONV_CSTORCH_VENV") or Path.home() / ".cache" / "ckptconv" / "venv-cstorch")

@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-from ckptconv.errors import DataloaderStateError
-from worker.formats.base import Entry, dtype_name
-from worker.formats.cs_h5 import CsH5Sink, CsH5Source
-from worker.legacy.dataloader_state import (
+from ckptconv.core.errors import DataloaderStateError
+from ckptconv.engine.legacy.dataloader_state import (
     add_dataloader_state,
     convert_dataloader_state,
     read_dataloader_state,
     state_from_config,
 )
-from worker.legacy.fix_spec import spec_pickle_hex
-from worker.plan import identity_plan
-from worker.storage import open_storage
-from worker.tree import flatten
+from ckptconv.engine.legacy.fix_spec import spec_pickle_hex
+from ckptconv.engine.plan import identity_plan
+from ckptconv.formats.base import Entry, dtype_name
+from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
+from ckptconv.formats.tree import flatten
+from ckptconv.storage import open_storage
 
 WEIGHT = torch.arange(6, dtype=torch.float32).reshape(2, 3)
 

@@ -19,9 +19,9 @@ from test_e2e_service import Service, bucket  # noqa: F401 - bucket is a fixture
 from test_fix_spec import gpt_tree, tsd_class, write_legacy  # noqa: F401 - tsd_class is a fixture
 from test_simulator_trainer import config as trainer_config
 
-from ckptconv.errors import Forbidden, InvalidRequest
-from worker.formats.cs_h5 import CsH5Source
-from worker.storage import open_storage
+from ckptconv.core.errors import Forbidden, InvalidRequest
+from ckptconv.formats.cs_h5 import CsH5Source
+from ckptconv.storage import open_storage
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +74,7 @@ def tiny_llama(path: Path, seed: int) -> Path:
 def test_verify_passes_for_a_conversion_and_fails_with_the_numbers_for_another_model(
     service: Service, data: Path
 ) -> None:
-    from worker.layouts.api import convert_model
+    from ckptconv.engine.layouts.api import convert_model
 
     hf = tiny_llama(data / "hf", seed=0)
     result = convert_model(str(hf), str(data / "cs"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
@@ -240,7 +240,7 @@ def test_dataloader_state_is_added_as_the_2_0_entry(service: Service, data: Path
 def test_convert_to_tensorflow(service: Service, data: Path) -> None:
     from safetensors.torch import save_file
 
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     tensors = {"a.weight": torch.randn(4, 3), "b.bias": torch.arange(5, dtype=torch.int64)}
     save_file(tensors, data / "model.safetensors")

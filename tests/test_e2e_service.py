@@ -29,9 +29,9 @@ import pytest
 import redis
 
 from ckptconv.client import Client
-from ckptconv.errors import Forbidden, ObjectNotFound
-from service.auth import hash_key
-from service.webhooks import verify
+from ckptconv.core.auth import hash_key
+from ckptconv.core.errors import Forbidden, ObjectNotFound
+from ckptconv.core.webhooks import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {
@@ -171,7 +171,7 @@ def check_outputs(job: dict[str, Any], bucket: str, expected: dict[str, Any]) ->
     """Every output is where the result says, with its size and sha256, and holds the source's tensors."""
     import torch
 
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     s3 = boto3.client("s3")
     outputs = job["result"]["outputs"]
@@ -371,9 +371,9 @@ def in_process(redis_url: str, bucket: str, monkeypatch: pytest.MonkeyPatch) -> 
     """Jobs created through the API (in process) under a prefix no worker consumes; the test runs them."""
     from fastapi.testclient import TestClient
 
+    from ckptconv.core.jobstore import JobStore, RedisKeys
+    from ckptconv.core.settings import Settings, get_settings
     from service.app import create_app
-    from service.jobstore import JobStore, RedisKeys
-    from service.settings import Settings, get_settings
 
     monkeypatch.setenv("CKPTCONV_ENVIRONMENT", "development")  # importing worker.tasks builds the Celery app
     get_settings.cache_clear()

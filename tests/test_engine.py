@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.errors import Cancelled, TargetExists
-from worker import engine
-from worker.engine import convert, inspect, plan_conversion
-from worker.execute import execute, verify_output
-from worker.formats import sink_class, source_class
-from worker.plan import identity_plan
-from worker.storage import open_storage
-from worker.tree import flatten
+from ckptconv.core.errors import Cancelled, TargetExists
+from ckptconv.engine import run as engine
+from ckptconv.engine.convert import convert, inspect, plan_conversion
+from ckptconv.engine.execute import execute, verify_output
+from ckptconv.engine.plan import identity_plan
+from ckptconv.formats import sink_class, source_class
+from ckptconv.formats.detect import open_source
+from ckptconv.formats.tree import flatten
+from ckptconv.storage import open_storage
 
 CONTAINERS = ["cs-h5", "safetensors", "torch"]
 
@@ -38,7 +39,7 @@ def write_source(tmp: Path, fmt: str, tree: dict | None = None) -> str:
     """Write ``tree`` with our own sink of ``fmt`` (formats are tested against their owners elsewhere)."""
     tree = tree if tree is not None else _state_dict()
     leaves, spec = flatten(tree)
-    from worker.formats.base import Entry
+    from ckptconv.formats.base import Entry
 
     entries = []
     for key, v in leaves:
@@ -61,7 +62,7 @@ def _staged_files(root: Path) -> list[Path]:
 
 
 def read_all(uri: str, fmt: str | None = None) -> dict:
-    src = engine.open_source(uri, fmt)
+    src = open_source(uri, fmt)
     try:
         out = {}
         for e in src.entries():
@@ -168,7 +169,7 @@ def _raise(*a, **k):
 
 def test_verification_catches_corrupted_output(tmp_path: Path) -> None:
     src_uri = write_source(tmp_path, "safetensors")
-    src = engine.open_source(src_uri)
+    src = open_source(src_uri)
     plan = identity_plan(src.entries(), src.spec)
     out = str(tmp_path / "staged")
     sink = sink_class("safetensors")(open_storage(out), out)

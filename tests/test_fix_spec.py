@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 import torch
 
-from ckptconv.errors import InvalidRequest, SpecRepairError, TargetExists, UnsupportedFormat
-from worker.formats import restricted_pickle
-from worker.formats.cs_h5 import CsH5Source
-from worker.legacy.fix_spec import default_fixed_path, fix_checkpoint_spec
-from worker.storage import open_storage
+from ckptconv.core.errors import InvalidRequest, SpecRepairError, TargetExists, UnsupportedFormat
+from ckptconv.engine.legacy.fix_spec import default_fixed_path, fix_checkpoint_spec
+from ckptconv.formats import restricted_pickle
+from ckptconv.formats.cs_h5 import CsH5Source
+from ckptconv.storage import open_storage
 
 TSD_MODULE = "cerebras_pytorch.utils.tensor_scalar_dict"
 

@@ -160,7 +160,7 @@ def test_convert_config_cli(tiny_llama: Path, tmp_path: Path, capsys: pytest.Cap
 
 
 def test_job_kind_handler_plan_and_run(tiny_llama: Path, tmp_path: Path) -> None:
-    from worker.jobs import context_from_request, handler, plan
+    from ckptconv.jobs import context_from_request, handler, plan
 
     request = {
         "kind": "convert-model",
@@ -176,7 +176,7 @@ def test_job_kind_handler_plan_and_run(tiny_llama: Path, tmp_path: Path) -> None
     again = handler(ctx.kind).run(context_from_request(request, job_id="job-1"))  # redelivery is idempotent
     assert again["manifest"] == result["manifest"]
     bad = {**request, "target": {"uri": str(tmp_path / "x"), "format": "safetensors"}}
-    from ckptconv.errors import InvalidRequest
+    from ckptconv.core.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest):
         handler(ctx.kind).run(context_from_request(bad, job_id="job-2"))
@@ -187,7 +187,7 @@ def test_models_route_is_torch_free(redis_url: str) -> None:
 import sys
 from fastapi.testclient import TestClient
 from service.app import create_app
-from service.settings import Settings
+from ckptconv.core.settings import Settings
 s = Settings(environment="development", auth_disabled=True, redis_url={redis_url!r})
 with TestClient(create_app(s)) as c:
     r = c.get("/v1/models")
@@ -211,7 +211,7 @@ print("ok")
 def test_convert_model_options_take_dpo_formats() -> None:
     from pydantic import ValidationError
 
-    from ckptconv.jobkinds import ConvertModelOptions
+    from ckptconv.jobs.kinds import ConvertModelOptions
 
     ok = ConvertModelOptions(model="dpo", src_fmt="hf", tgt_fmt="cs-2.9-dpo")
     assert ok.tgt_fmt == "cs-2.9-dpo"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckptconv.errors import ConfigConversionError
-from worker.layouts import convert_config, convert_config_dict
+from ckptconv.core.errors import ConfigConversionError
+from ckptconv.engine.layouts import convert_config, convert_config_dict
 
 LLAMA_HF = {
     "model_type": "llama",

@@ -1,4 +1,4 @@
-"""DPO checkpoints: hf <-> cs-X.Y-dpo and cs-2.1-no-dpo <-> cs-2.1-dpo (worker.layouts.dpo)."""
+"""DPO checkpoints: hf <-> cs-X.Y-dpo and cs-2.1-no-dpo <-> cs-2.1-dpo (ckptconv.engine.layouts.dpo)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import yaml
 
-from ckptconv.errors import ConfigConversionError, NoConversionPath
-from worker.layouts import convert_config_dict, convert_model, plan_model
-from worker.layouts.registry import describe_model, list_models
+from ckptconv.core.errors import ConfigConversionError, NoConversionPath
+from ckptconv.engine.layouts import convert_config_dict, convert_model, plan_model
+from ckptconv.engine.layouts.registry import describe_model, list_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ def _tiny(kind: str, path: Path) -> Any:
 
 def load_cs(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a Cerebras checkpoint, links followed."""
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     src = open_source(path)
     try:
@@ -39,7 +39,7 @@ def load_cs(path: str) -> dict[str, torch.Tensor]:
 
 def _links(mdl: str) -> dict[str, str]:
     """Every LinkedObject entry of the file (cs-checkpoint-format 1.9): key -> the key it aliases."""
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     src = open_source(mdl)
     try:
@@ -83,7 +83,7 @@ def test_hf_to_dpo_and_back(tmp_path: Path, kind: str, keys: Any) -> None:
     got = load_dir(back.target)
     for k, v in original.items():
         assert torch.equal(got[k], v), k
-    from worker.simulator.verify import verify
+    from ckptconv.engine.simulator.verify import verify
 
     assert verify(str(tmp_path / "hf"), r.target, cfg_path, "dpo")["verdict"] == "skipped"
     loaded = type(model).from_pretrained(back.target).eval()

@@ -1,4 +1,4 @@
-"""DPR: two Hugging Face encoder directories <-> one Cerebras checkpoint (worker.layouts.dpr)."""
+"""DPR: two Hugging Face encoder directories <-> one Cerebras checkpoint (ckptconv.engine.layouts.dpr)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from ckptconv.errors import CkptconvError, ConfigConversionError, NoConversionPath
-from worker.layouts import convert_model, plan_model
+from ckptconv.core.errors import CkptconvError, ConfigConversionError, NoConversionPath
+from ckptconv.engine.layouts import convert_model, plan_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,9 +140,9 @@ def test_dry_run_names_every_key(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_job_options_and_listing_take_dpr() -> None:
-    from ckptconv.jobkinds import ConvertModelOptions
-    from worker.layouts.registry import describe_model, list_models
-    from worker.simulator.verify import verify
+    from ckptconv.engine.layouts.registry import describe_model, list_models
+    from ckptconv.engine.simulator.verify import verify
+    from ckptconv.jobs.kinds import ConvertModelOptions
 
     ConvertModelOptions(model="dpr", src_fmt="hf", tgt_fmt="cs-2.9")
     entry = next(m for m in list_models() if m["name"] == "dpr")

@@ -30,7 +30,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 T = transformers
 
-from worker.layouts import convert_model  # noqa: E402
+from ckptconv.engine.layouts import convert_model  # noqa: E402
 
 L, H, NH, V, P = 2, 64, 4, 256, 128  # layers, hidden, heads, vocab, positions
 
@@ -584,7 +584,7 @@ def load_dir(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_cs(path: str) -> dict[str, Any]:
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     src = open_source(path)
     try:
@@ -618,7 +618,7 @@ def test_roundtrip(case: Case, tmp_path: Any) -> None:
 
     mdl, yml, _r1 = hf_to_cs(hf_dir, str(tmp_path / "cs"), case.model)
     if case.sim_rtol is not None:
-        from worker.simulator.verify import verify
+        from ckptconv.engine.simulator.verify import verify
 
         report = verify(hf_dir, mdl, yml, case.model, tolerance=1e-5, rtol=case.sim_rtol)
         assert report["passed"], report["outputs"]
@@ -871,7 +871,7 @@ HEADS = [
 
 @pytest.mark.parametrize(("name", "build", "labels"), HEADS, ids=[h[0] for h in HEADS])
 def test_bert_finetune_heads(name: str, build: Callable[[], Any], labels: int, tmp_path: Any) -> None:
-    from worker.simulator.verify import verify
+    from ckptconv.engine.simulator.verify import verify
 
     model = _randomize(build())
     hf_dir = str(tmp_path / "hf")
@@ -928,7 +928,7 @@ def test_headless_round_trip(name: str, build: Callable[[], Any], tmp_path: Any)
     cs = load_cs(mdl)
     assert "model.lm_head.weight" in cs  # synthesized: the CS model is an LM
     if name not in ("gemma2-headless", "mpt-headless"):  # the simulator has no headless class for these
-        from worker.simulator.verify import verify
+        from ckptconv.engine.simulator.verify import verify
 
         report = verify(hf_dir, mdl, yml, name, tolerance=1e-5, rtol=1e-3 if "bloom" in name else 0.0)
         assert report["passed"], report["outputs"]

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from ckptconv.errors import ConfigConversionError, ConversionError
-from worker.layouts import convert_model
-from worker.layouts.folding import is_mup, mup_fold
+from ckptconv.core.errors import ConfigConversionError, ConversionError
+from ckptconv.engine.layouts import convert_model
+from ckptconv.engine.layouts.folding import is_mup, mup_fold
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -49,7 +49,7 @@ def _to_cs(tmp: Path, model: str) -> tuple[str, dict]:
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_mup_folded_hf_model_computes_what_the_mup_model_computed(tmp_path: Path, model: str) -> None:
-    from worker.simulator.verify import verify
+    from ckptconv.engine.simulator.verify import verify
 
     mdl, doc = _to_cs(tmp_path, model)
     doc["model"].update(
@@ -117,7 +117,7 @@ def test_mup_factors_follow_the_reference() -> None:
 
 def _cs_model(mdl: str) -> dict:
     """The ``model`` state of a Cerebras checkpoint, keys without ``model.``."""
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     src = open_source(mdl)
     try:
@@ -127,7 +127,7 @@ def _cs_model(mdl: str) -> dict:
 
 
 def _with_lora(tmp: Path) -> tuple[str, Path, dict]:
-    from worker.simulator.checkpoint_io import write_checkpoint
+    from ckptconv.engine.simulator.checkpoint_io import write_checkpoint
 
     mdl, doc = _to_cs(tmp, "llama")
     model = _cs_model(mdl)
@@ -161,7 +161,7 @@ def test_lora_fold_cs_to_cs_and_to_hf(tmp_path: Path) -> None:
         config=str(cfg),
         fold_lora=True,
     )
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     out = open_source(r.target)
     try:
@@ -190,7 +190,7 @@ def test_lora_fold_cs_to_cs_and_to_hf(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     sd = load_file(next(Path(hf.target).glob("*.safetensors")))
-    from worker.layouts.transforms import rope_permute
+    from ckptconv.engine.layouts.transforms import rope_permute
 
     torch.testing.assert_close(sd["model.layers.0.self_attn.q_proj.weight"], rope_permute(want_q, 16, 16, to_cs=False))
     torch.testing.assert_close(sd["model.embed_tokens.weight"], want_e)
@@ -198,7 +198,7 @@ def test_lora_fold_cs_to_cs_and_to_hf(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("section", ["sparsity", "trainer"])
 def test_sideband_sparsity_nans_become_zeros_on_export(tmp_path: Path, section: str) -> None:
-    from worker.simulator.checkpoint_io import write_checkpoint
+    from ckptconv.engine.simulator.checkpoint_io import write_checkpoint
 
     mdl, doc = _to_cs(tmp_path, "llama")
     model = _cs_model(mdl)

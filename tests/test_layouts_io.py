@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.layouts import convert_model, plan_model
+from ckptconv.engine.layouts import convert_model, plan_model
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -80,7 +80,7 @@ def test_bin_input_with_tied_duplicates_is_copied_not_filled(tmp_path: Path) -> 
 def test_plan_memory_bound_is_one_fused_group(tmp_path: Path) -> None:
     model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128))
     model.save_pretrained(tmp_path / "hf")
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     src = open_source(str(tmp_path / "hf"))
     try:

@@ -1,5 +1,5 @@
 """LLaVA (CLIP tower + projector + Llama, two HF directories <-> one CS checkpoint) and the
-CLIP-ViT table it uses (worker.layouts.llava, families/clip_vit.yaml).
+CLIP-ViT table it uses (ckptconv.engine.layouts.llava, families/clip_vit.yaml).
 
 The reference model is transformers' own ``LlavaForConditionalGeneration``: its weights are laid
 out as the original LLaVA release does (``image_model/`` + ``text_model/`` with
@@ -18,9 +18,9 @@ import pytest
 import torch
 import yaml
 
-from ckptconv.errors import ConfigConversionError, ConversionError, NoConversionPath, UnmatchedKeys
-from worker.layouts import convert_model, plan_model
-from worker.layouts.api import convert_config_dict
+from ckptconv.core.errors import ConfigConversionError, ConversionError, NoConversionPath, UnmatchedKeys
+from ckptconv.engine.layouts import convert_model, plan_model
+from ckptconv.engine.layouts.api import convert_config_dict
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ckptconv.errors import ConfigConversionError
-from worker.layouts.expr import ExprError, evaluate, names_in
-from worker.layouts.registry import _build_family, families, model_index, resolve
-from worker.layouts.rules import Pattern, TableError, map_keys, parse_rules, strip_hf_prefix
+from ckptconv.core.errors import ConfigConversionError
+from ckptconv.engine.layouts.expr import ExprError, evaluate, names_in
+from ckptconv.engine.layouts.registry import _build_family, families, model_index, resolve
+from ckptconv.engine.layouts.rules import Pattern, TableError, map_keys, parse_rules, strip_hf_prefix
 
 # --- patterns ---------------------------------------------------------------------------------
 

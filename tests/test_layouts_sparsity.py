@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.errors import SparsityStateError
-from worker.layouts import convert_config_dict, convert_model, plan_model
-from worker.layouts.planner import Request, build_plan
-from worker.simulator.checkpoint_io import open_checkpoint, read_checkpoint, write_checkpoint
+from ckptconv.core.errors import SparsityStateError
+from ckptconv.engine.layouts import convert_config_dict, convert_model, plan_model
+from ckptconv.engine.layouts.planner import Request, build_plan
+from ckptconv.engine.simulator.checkpoint_io import open_checkpoint, read_checkpoint, write_checkpoint
 
 LAYER = "transformer_decoder.layers.0."
 FFN = f"{LAYER}ffn.ffn.0.linear_layer.weight"
@@ -308,7 +308,7 @@ def test_export_applies_2_2_masks(tmp_path: Path) -> None:
     got = load_dir(back.target)
     assert not [k for k in got if k.endswith("_mask")]
     # Prune the original HF model by the same masks (mapped to HF rows: q is rotary-permuted).
-    from worker.layouts.transforms import rope_permute
+    from ckptconv.engine.layouts.transforms import rope_permute
 
     expected = {k: v.clone() for k, v in hf_model.state_dict().items()}
     for hf_name, cs_name in pruned.items():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.layouts.transforms import TRANSFORMS, alibi_slopes, lora_fold, rope_permute
+from ckptconv.engine.layouts.transforms import TRANSFORMS, alibi_slopes, lora_fold, rope_permute
 
 
 def _to_cs(name: str, values: list[torch.Tensor], index: int = 0, **params) -> torch.Tensor:
@@ -74,7 +74,7 @@ def test_rope_reference_example() -> None:
 
 
 def test_rope_rejects_inconsistent_shapes() -> None:
-    from ckptconv.errors import ConversionError
+    from ckptconv.core.errors import ConversionError
 
     with pytest.raises(ConversionError):
         rope_permute(torch.zeros(10, 4), 4, 4, to_cs=True)
@@ -160,7 +160,7 @@ def test_fused_rope_applies_to_q_and_k_only() -> None:
 
 
 def test_fused_refuses_wrong_row_count() -> None:
-    from ckptconv.errors import ConversionError
+    from ckptconv.core.errors import ConversionError
 
     with pytest.raises(ConversionError, match="rows"):
         _to_cs(

@@ -1,6 +1,6 @@
 """Release upgrades for every model family, end to end through files, with tiny random models.
 
-For each family table (``worker/layouts/families/*.yaml``) a tiny random model is built exactly as
+For each family table (``ckptconv/engine/layouts/families/*.yaml``) a tiny random model is built exactly as
 ``test_layouts_families`` builds it (transformers classes from a config, no downloads; remote-code
 families from a synthetic state dict) and converted along two routes to the newest release:
 
@@ -38,9 +38,9 @@ import pytest
 import torch
 import yaml
 
-from ckptconv.errors import ConfigConversionError, NoConversionPath
-from worker.layouts import convert_model
-from worker.layouts.registry import RELEASES, families, release_key, resolve
+from ckptconv.core.errors import ConfigConversionError, NoConversionPath
+from ckptconv.engine.layouts import convert_model
+from ckptconv.engine.layouts.registry import RELEASES, families, release_key, resolve
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,7 +203,7 @@ def _stage(fn: Callable[[Chain], Any]) -> Any:
 
 
 def _read_cs(r: Any) -> Out:
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     mdl = next(o.uri for o in r.outputs if o.uri.endswith(".mdl"))
     yml = next(o.uri for o in r.outputs if o.uri.endswith(".yaml"))
@@ -303,7 +303,7 @@ def releases_between(a: str, b: str) -> list[str]:
 
 
 # Names before the 2.0 -> 2.1 embedding refactor (reference §3.0, §3.14, §5), written out here
-# independently of worker.layouts.upgrades: >= 2.1 name -> <= 2.0 name.
+# independently of ckptconv.engine.layouts.upgrades: >= 2.1 name -> <= 2.0 name.
 OLD_NAMES = [
     (r"(.*)embedding_layer\.position_embeddings\.embed\.weight", r"\1embedding_layer.position_embeddings.weight"),
     (r"(.*)embedding_layer\.position_embeddings\.fpe", r"\1embedding_layer.position_embeddings"),

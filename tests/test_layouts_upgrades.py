@@ -9,10 +9,10 @@ import pytest
 import torch
 import yaml
 
-from ckptconv.errors import DataloaderStateError, NoConversionPath
-from worker.layouts import convert_config_dict, convert_model, plan_model
-from worker.layouts.registry import families
-from worker.layouts.upgrades import find_path, parse_format, rename_key, version_to_release
+from ckptconv.core.errors import DataloaderStateError, NoConversionPath
+from ckptconv.engine.layouts import convert_config_dict, convert_model, plan_model
+from ckptconv.engine.layouts.registry import families
+from ckptconv.engine.layouts.upgrades import find_path, parse_format, rename_key, version_to_release
 
 
 def test_formats() -> None:
@@ -166,7 +166,7 @@ def _gpt2_cs_state(inner: str) -> dict:
 
 @pytest.mark.parametrize("inner", ["", "model."])
 def test_cs_1_9_to_2_9_checkpoint(tmp_path: Path, inner: str) -> None:
-    from worker.simulator.checkpoint_io import write_checkpoint
+    from ckptconv.engine.simulator.checkpoint_io import write_checkpoint
 
     src = str(tmp_path / "checkpoint_10.mdl")
     state = _gpt2_cs_state(inner)
@@ -180,7 +180,7 @@ def test_cs_1_9_to_2_9_checkpoint(tmp_path: Path, inner: str) -> None:
     assert r.target.endswith("checkpoint_10_to_cs-2.9.mdl")
     assert any("lm_head.weight" in w and "repaired" in w for w in r.warnings)
 
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     out = open_source(r.target)
     try:
@@ -232,8 +232,8 @@ def _iter_files(d: Path, samples: dict[int, int], step: int = 10) -> Path:
     ],
 )
 def test_cs_1_9_upgrade_folds_in_the_dataloader_files(tmp_path: Path, processor: str, expected: dict) -> None:
-    from worker.engine import open_source
-    from worker.simulator.checkpoint_io import write_checkpoint
+    from ckptconv.engine.simulator.checkpoint_io import write_checkpoint
+    from ckptconv.formats.detect import open_source
 
     src = str(tmp_path / "checkpoint_10.mdl")
     write_checkpoint(src, _gpt2_cs_state(""), cstorch_version="1.9.0")
@@ -277,7 +277,7 @@ def test_hf_to_old_release_renames(tmp_path: Path) -> None:
     )
     model.save_pretrained(tmp_path / "hf")
     r = convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="gpt2", src_fmt="hf", tgt_fmt="cs-1.8")
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     src = open_source(r.target)
     try:
@@ -301,7 +301,7 @@ def test_hf_to_old_release_renames(tmp_path: Path) -> None:
 
 def test_bert_release_1_6_used_hf_names(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from worker.simulator.checkpoint_io import write_checkpoint
+    from ckptconv.engine.simulator.checkpoint_io import write_checkpoint
 
     cfg = transformers.BertConfig(
         vocab_size=256,
@@ -336,7 +336,7 @@ def test_bert_release_1_6_used_hf_names(tmp_path: Path) -> None:
         config=str(tmp_path / "params_16.yaml"),
     )
     assert any("optimizer" in w for w in up.warnings)
-    from worker.engine import open_source
+    from ckptconv.formats.detect import open_source
 
     src = open_source(up.target)
     try:
@@ -347,7 +347,7 @@ def test_bert_release_1_6_used_hf_names(tmp_path: Path) -> None:
     assert "global_step" in keys and not any(k.startswith("optimizer") for k in keys)
     up_cfg = next(o.uri for o in up.outputs if o.uri.endswith(".yaml"))
     # before 1.8 the pooler used the encoder's activation (gelu here): Hugging Face cannot say that
-    from ckptconv.errors import ConfigConversionError
+    from ckptconv.core.errors import ConfigConversionError
 
     with pytest.raises(ConfigConversionError, match="pooler_nonlinearity"):
         convert_model(up.target, str(tmp_path / "hf_back"), model="bert", src_fmt="cs-2.9", tgt_fmt="hf", config=up_cfg)
@@ -370,7 +370,7 @@ def json_load(path: Path) -> dict:
 
 
 def test_cs_auto_reads_newer_releases_as_the_newest_known(tmp_path: Path) -> None:
-    from worker.simulator.checkpoint_io import write_checkpoint
+    from ckptconv.engine.simulator.checkpoint_io import write_checkpoint
 
     state = _gpt2_cs_state("")
     state["model"]["lm_head.weight"] = state["model"]["embedding_layer.word_embeddings.weight"]

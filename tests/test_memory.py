@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.memory import BufferPool, bound_allocator
+from ckptconv.formats.memory import BufferPool, bound_allocator
 
 MB = 1 << 20
 
@@ -111,13 +111,13 @@ def _peak_rss(*args: str, prelude: str = "") -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
 def test_peak_rss_is_bounded_by_the_largest_tensor_not_the_checkpoint(tmp_path: Path) -> None:
-    from worker.memory import POOL
+    from ckptconv.formats.memory import POOL
 
     small = _checkpoint(tmp_path / "small.safetensors", 24)
     large = _checkpoint(tmp_path / "large.safetensors", 48)
     # What the process costs before any tensor: the plan of the same conversion, after the imports
     # a conversion makes (torch above all).
-    base = _peak_rss("plan", str(small), "--to", "cs-h5", prelude="import torch, h5py, hdf5plugin, worker.engine")
+    base = _peak_rss("plan", str(small), "--to", "cs-h5", prelude="import torch, h5py, hdf5plugin, ckptconv.engine.run")
     peaks = [
         _peak_rss("convert", str(p), str(p.with_suffix(".mdl")), "--to", "cs-h5", "--no-progress")
         for p in (small, large)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptconv.errors import CorruptCheckpoint, UnsafeCheckpoint
-from worker.formats import restricted_pickle as rp
+from ckptconv.core.errors import CorruptCheckpoint, UnsafeCheckpoint
+from ckptconv.formats import restricted_pickle as rp
 
 PLAIN = {
     "none": None,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckptconv.errors import (
+from ckptconv.core.errors import (
     CkptconvError,
     CorruptCheckpoint,
     InvalidRequest,
@@ -28,9 +28,9 @@ from ckptconv.errors import (
     UnsupportedDtype,
     UnsupportedValue,
 )
-from worker.formats.base import Entry, OpaqueObject
-from worker.formats.safetensors_fmt import ST_DTYPES, SafetensorsSink, SafetensorsSource
-from worker.formats.sharding import (
+from ckptconv.formats.base import Entry, OpaqueObject
+from ckptconv.formats.safetensors_fmt import ST_DTYPES, SafetensorsSink, SafetensorsSource
+from ckptconv.formats.sharding import (
     SAFETENSORS,
     TORCH,
     index_bytes,
@@ -39,8 +39,8 @@ from worker.formats.sharding import (
     read_index,
     split_by_size,
 )
-from worker.storage import open_storage
-from worker.storage.s3 import S3Storage
+from ckptconv.storage import open_storage
+from ckptconv.storage.s3 import S3Storage
 
 HERE = Path(__file__).resolve().parent
 ATTACKS = HERE / "attacks"
@@ -168,7 +168,7 @@ def test_sharding_helpers_do_not_import_torch() -> None:
     """The API process validates shard sizes with this module and must stay free of torch."""
     import subprocess
 
-    code = "import sys, worker.formats.sharding; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    code = "import sys, ckptconv.formats.sharding; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE.parent)
 
 
@@ -297,7 +297,7 @@ def test_target_file_uri_and_shard_size_conflict(tmp_path: Path) -> None:
 def test_transformers_loads_our_shards(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from worker.engine import convert
+    from ckptconv.engine.convert import convert
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
@@ -373,7 +373,7 @@ def test_values_spec_links_and_objects_survive(tmp_path: Path, shard_size: int |
 
 @pytest.mark.parametrize("name", ["model_optimizer", "python_objects", "empty_containers", "zero_dim", "dtypes"])
 def test_cerebras_trees_survive_h5_safetensors_h5(tmp_path: Path, name: str) -> None:
-    from worker.formats.cs_h5 import CsH5Sink, CsH5Source
+    from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
 
     expected = json.loads((CSTORCH / f"{name}.json").read_text())["loaded"]
     h5 = CsH5Source(local(), str(CSTORCH / f"{name}.mdl"))
@@ -499,7 +499,7 @@ def test_attack_corpus_is_refused(name: str) -> None:
 
 @pytest.mark.parametrize("name", ST_ATTACKS)
 def test_attack_as_conversion_source_leaves_nothing(tmp_path: Path, name: str) -> None:
-    from worker.engine import convert
+    from ckptconv.engine.convert import convert
 
     error = make_tensor_attacks.EXPECTED[name][0]
     target = tmp_path / "out"

@@ -22,7 +22,7 @@ import redis
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from service.auth import hash_key
+from ckptconv.core.auth import hash_key
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "ckc_schemathesis-" + uuid.uuid4().hex

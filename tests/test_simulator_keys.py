@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptconv.errors import SimulationError, UnknownModel
-from worker.simulator.config import parse_model_config
-from worker.simulator.models import build_model
+from ckptconv.core.errors import SimulationError, UnknownModel
+from ckptconv.engine.simulator.config import parse_model_config
+from ckptconv.engine.simulator.models import build_model
 
 V, H, NH, D, L, F, P, KV, E = 64, 32, 4, 8, 2, 48, 32, 2, 4
 

@@ -16,10 +16,10 @@ import torch
 import yaml
 
 from ckptconv.cli import main as cli_main
-from ckptconv.errors import Cancelled, CheckpointError, CheckpointMismatch, InvalidRequest
-from worker.simulator.checkpoint_io import open_checkpoint, read_checkpoint, top_level_keys, write_checkpoint
-from worker.simulator.checkpoint_policy import CheckpointSettings, sort_checkpoints
-from worker.simulator.trainer import simulate
+from ckptconv.core.errors import Cancelled, CheckpointError, CheckpointMismatch, InvalidRequest
+from ckptconv.engine.simulator.checkpoint_io import open_checkpoint, read_checkpoint, top_level_keys, write_checkpoint
+from ckptconv.engine.simulator.checkpoint_policy import CheckpointSettings, sort_checkpoints
+from ckptconv.engine.simulator.trainer import simulate
 
 MODEL = {
     "name": "gpt2",
@@ -392,7 +392,7 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_s3_checkpoint_root(tmp_path: Path, s3_bucket: str) -> None:
-    from worker.storage import open_storage
+    from ckptconv.storage import open_storage
 
     root = f"s3://{s3_bucket}/run1"
     cfg = config(

@@ -1,7 +1,7 @@
 """Tiny random Hugging Face models, converted to Cerebras by the model-layout converter, give the
 simulator's Cerebras model the logits ``transformers`` computes (fp32, 1e-5) — family by family.
 
-The conversion always goes through ``worker.layouts.api.convert_model`` (never a converter written
+The conversion always goes through ``ckptconv.engine.layouts.api.convert_model`` (never a converter written
 here); a family the layout registry does not know yet is skipped with that reason. Deliberately
 wrong checkpoints (unpermuted rotary q/k, extra and missing keys) show that verify and strict
 loading catch what they should.
@@ -18,9 +18,9 @@ import torch
 import transformers
 
 from ckptconv.cli import main as cli_main
-from ckptconv.errors import CheckpointMismatch, SimulationError, UnknownModel
-from worker.simulator.checkpoint_io import open_checkpoint, read_checkpoint, write_checkpoint
-from worker.simulator.verify import verify
+from ckptconv.core.errors import CheckpointMismatch, SimulationError, UnknownModel
+from ckptconv.engine.simulator.checkpoint_io import open_checkpoint, read_checkpoint, write_checkpoint
+from ckptconv.engine.simulator.verify import verify
 
 TINY_DECODER = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 LLAMA_LIKE = dict(**TINY_DECODER, hidden_size=64, intermediate_size=96, num_key_value_heads=2)
@@ -96,7 +96,7 @@ HF_MODELS = {**FAMILIES, **KNOWN_DIFFERENCES}
 
 
 def _require_layout(model: str) -> None:
-    from worker.layouts.registry import resolve
+    from ckptconv.engine.layouts.registry import resolve
 
     try:
         resolve(model)
@@ -125,7 +125,7 @@ def make_hf(root: Path, model: str, *, dtype: torch.dtype = torch.float32, **ove
 
 def convert(hf_dir: Path, out: Path, model: str) -> tuple[str, str]:
     """HF -> cs-2.9 through the model-layout converter; returns (checkpoint, config) paths."""
-    from worker.layouts.api import convert_model
+    from ckptconv.engine.layouts.api import convert_model
 
     result = convert_model(str(hf_dir), str(out), model=model, src_fmt="hf", tgt_fmt="cs-2.9")
     mdl = [o.uri for o in result.outputs if o.uri.endswith(".mdl")]
@@ -281,7 +281,7 @@ def test_remote_code_families_are_refused_by_verify(model: str, tmp_path: Path) 
 
 def test_everything_on_s3(workdir: str, s3_bucket: str) -> None:
     _require_layout("llama")
-    from worker.storage import open_storage
+    from ckptconv.storage import open_storage
 
     hf_dir, mdl, cfg = converted("llama", workdir)
     base = f"s3://{s3_bucket}/verify"

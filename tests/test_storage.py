@@ -1,4 +1,4 @@
-"""Conformance suite for every storage backend (worker.storage.base contract).
+"""Conformance suite for every storage backend (ckptconv.storage.base contract).
 
 Each test runs against local paths, ``file://`` URIs and S3 (moto's real HTTP server). Backend-
 specific behaviour (S3 part sizes, conditional writes, server-side multipart copy, error mapping)
@@ -15,9 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound, PathEscape, StorageError, TargetExists
-from worker.storage import confine, is_s3, open_storage, split_s3
-from worker.storage.base import Storage
+from ckptconv.core.errors import (
+    CorruptCheckpoint,
+    InvalidRequest,
+    ObjectNotFound,
+    PathEscape,
+    StorageError,
+    TargetExists,
+)
+from ckptconv.storage import confine, is_s3, open_storage, split_s3
+from ckptconv.storage.base import Storage
 
 MiB = 1 << 20
 
@@ -408,7 +415,7 @@ def test_local_delete_prefix_prunes_empty_directories_and_refuses_roots(tmp_path
 
 def test_s3_multipart_with_part_checksums(s3_bucket):
     """The CRC32-per-part path boto3 uses on AWS (create with algorithm, checksums in complete)."""
-    from worker.storage.s3 import S3Storage
+    from ckptconv.storage.s3 import S3Storage
 
     storage = S3Storage(part_checksums=True)
     uri = f"s3://{s3_bucket}/crc.bin"
@@ -419,7 +426,7 @@ def test_s3_multipart_with_part_checksums(s3_bucket):
 
 
 def test_s3_part_sizes_grow_within_limits():
-    from worker.storage.s3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_for
+    from ckptconv.storage.s3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_for
 
     assert part_size_for(1, 1) == MIN_PART_SIZE
     assert part_size_for(1, 64 * MiB) == part_size_for(1000, 64 * MiB) == 64 * MiB
@@ -430,7 +437,7 @@ def test_s3_part_sizes_grow_within_limits():
 
 
 def test_s3_user_metadata_survives_multipart_and_publish(s3_bucket):
-    from worker.storage.s3 import S3Storage
+    from ckptconv.storage.s3 import S3Storage
 
     # Thresholds lowered so that publish takes the UploadPartCopy path with 3 parts.
     storage = S3Storage(multipart_copy_threshold=5 * MiB, copy_part_size=5 * MiB)
@@ -473,7 +480,7 @@ def test_s3_missing_bucket_names_the_bucket(s3_server):
 
 
 def test_s3_unreachable_endpoint_is_a_storage_error(s3_server):
-    from worker.storage.s3 import S3Storage
+    from ckptconv.storage.s3 import S3Storage
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -497,7 +504,7 @@ def test_s3_bucket_uri_is_not_an_object(s3_bucket):
 
 def test_s3_conditional_write_refuses_a_target_that_appeared_after_the_check(s3_bucket):
     """The HEAD check can lose a race; the server's If-None-Match precondition still refuses."""
-    from worker.storage.s3 import S3Storage
+    from ckptconv.storage.s3 import S3Storage
 
     class LostRace(S3Storage):
         def exists(self, uri: str) -> bool:  # as if the other writer committed just after our HEAD
@@ -515,7 +522,7 @@ def test_s3_conditional_write_refuses_a_target_that_appeared_after_the_check(s3_
 
 
 def test_s3_failed_part_upload_surfaces_and_cleans_up(s3_bucket):
-    from worker.storage.s3 import S3Storage
+    from ckptconv.storage.s3 import S3Storage
 
     storage = S3Storage(max_attempts=1)  # moto answers 500 here, which botocore would retry for seconds
     uri = f"s3://{s3_bucket}/doomed"
@@ -545,7 +552,7 @@ def test_s3_error_mapping(code, status, expected, in_hint):
     """Error responses S3 sends but moto cannot be made to send (e.g. 403 for bad credentials)."""
     from botocore.exceptions import ClientError
 
-    from worker.storage.s3 import _typed_error
+    from ckptconv.storage.s3 import _typed_error
 
     response = {"Error": {"Code": code, "Message": "msg"}, "ResponseMetadata": {"HTTPStatusCode": status}}
     err = _typed_error(ClientError(response, "GetObject"), "s3://bkt/key")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.errors import (
+from ckptconv.core.errors import (
     ConversionError,
     CorruptCheckpoint,
     InvalidRequest,
@@ -32,9 +32,9 @@ from ckptconv.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
-from worker.formats.base import Entry, OpaqueObject, dtype_name
-from worker.formats.cs_h5 import CsH5Source
-from worker.formats.tf_bundle import (
+from ckptconv.formats.base import Entry, OpaqueObject, dtype_name
+from ckptconv.formats.cs_h5 import CsH5Source
+from ckptconv.formats.tf_bundle import (
     METADATA_KEY,
     STRING_ENCODING,
     TfSink,
@@ -43,7 +43,7 @@ from worker.formats.tf_bundle import (
     encode_strings,
     slice_key,
 )
-from worker.formats.tf_proto import (
+from ckptconv.formats.tf_proto import (
     BIG,
     BundleEntry,
     BundleHeader,
@@ -52,7 +52,7 @@ from worker.formats.tf_proto import (
     decode_varint,
     encode_varint,
 )
-from worker.formats.tf_table import (
+from ckptconv.formats.tf_table import (
     MAGIC,
     build_table,
     crc32c_extend,
@@ -61,8 +61,8 @@ from worker.formats.tf_table import (
     read_table,
     unmask_crc,
 )
-from worker.storage import open_storage
-from worker.tree import flatten
+from ckptconv.formats.tree import flatten
+from ckptconv.storage import open_storage
 
 ROOT = Path(__file__).resolve().parent.parent
 ORACLE = Path(__file__).resolve().parent / "tf_oracle" / "oracle.py"
@@ -296,7 +296,7 @@ def test_everything_a_checkpoint_holds_round_trips(tmp_path):
 
 
 def test_spec_of_a_flat_state_dict_needs_no_metadata(tmp_path):
-    from worker.tree import flat_dict_spec
+    from ckptconv.formats.tree import flat_dict_spec
 
     values = {"b": sample("float32", (2,)), "a": sample("int64", (1,))}
     prefix = str(tmp_path / "flat")
@@ -697,7 +697,7 @@ def test_written_bundles_are_byte_identical_to_tensorflows(oracle):
 
 @pytest.mark.tf
 def test_engine_converts_a_tensorflow_checkpoint_and_verifies_it(oracle, tmp_path):
-    from worker.engine import convert
+    from ckptconv.engine.convert import convert
 
     made = oracle["result"]["made"]["tf2"]
     result = convert(made["prefix"], str(tmp_path / "out" / "ckpt"), to="tf", shard_size="200B")

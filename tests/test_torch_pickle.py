@@ -21,12 +21,12 @@ from cstorch_tree import assert_same_tree, copy_checkpoint, describe, entries_fr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptconv.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat, UnsupportedValue
-from worker.formats.base import DTYPE_SIZES, Entry
-from worker.formats.torch_pickle import TorchSink, TorchSource, describe_pickle
-from worker.storage import open_storage
-from worker.storage.s3 import S3Storage
-from worker.tree import TreeSpec, flatten
+from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat, UnsupportedValue
+from ckptconv.formats.base import DTYPE_SIZES, Entry
+from ckptconv.formats.torch_pickle import TorchSink, TorchSource, describe_pickle
+from ckptconv.formats.tree import TreeSpec, flatten
+from ckptconv.storage import open_storage
+from ckptconv.storage.s3 import S3Storage
 
 HERE = Path(__file__).resolve().parent
 ATTACKS = HERE / "attacks"
@@ -448,7 +448,7 @@ def _as_torch_zip(pkl: bytes) -> bytes:
 
 @pytest.mark.parametrize("name", TORCH_ATTACKS)
 def test_attack_as_conversion_source_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    from worker.engine import convert
+    from ckptconv.engine.convert import convert
 
     monkeypatch.chdir(tmp_path)
     error = make_tensor_attacks.EXPECTED[name][0]

@@ -18,7 +18,7 @@ from celery import Celery
 from celery.signals import worker_init, worker_process_init
 from kombu import Exchange, Queue
 
-from service.settings import Settings, get_settings
+from ckptconv.core.settings import Settings, get_settings
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
@@ -56,7 +56,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
         task_send_sent_event=False,
     )
     app.conf.ckptconv_settings = settings
-    # Each process that runs jobs bounds its allocator first (see worker.memory): the pool's
+    # Each process that runs jobs bounds its allocator first (see ckptconv.formats.memory): the pool's
     # children, or the worker itself with the solo and thread pools.
     worker_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator")
     worker_process_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator-child")
@@ -64,7 +64,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
 
 
 def _bound_allocator(**_: Any) -> None:
-    from worker.memory import bound_allocator
+    from ckptconv.formats.memory import bound_allocator
 
     bound_allocator()
 

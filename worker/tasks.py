@@ -52,11 +52,11 @@ from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from ckptconv import __version__
-from ckptconv.errors import Cancelled, CkptconvError, TimeLimitExceeded, WorkerLost
-from service.jobstore import TERMINAL, JobStore, RedisKeys, encode_field, iso, job_resource, now_ms
-from service.webhooks import WebhookRefused, check_destination, sign
-from worker import jobs
+from ckptconv import __version__, jobs
+from ckptconv.core.errors import Cancelled, CkptconvError, TimeLimitExceeded, WorkerLost
+from ckptconv.core.jobstore import TERMINAL, JobStore, RedisKeys, encode_field, iso, job_resource, now_ms
+from ckptconv.core.webhooks import WebhookRefused, check_destination, sign
+from ckptconv.engine.convert import inspect as inspect_checkpoint
 from worker.celery_app import app
 
 log = logging.getLogger("ckptconv.worker")
@@ -299,7 +299,7 @@ class JobRun:
         uri = target.rstrip("/") + MIRROR_SUFFIX
         doc = {"ckptconv_version": __version__, **job_resource(rec)}
         try:
-            from worker.storage import open_storage
+            from ckptconv.storage import open_storage
 
             storage = open_storage(uri)
             if rec["state"] != "succeeded" and storage.exists(uri):
@@ -336,12 +336,7 @@ def plan(reply_key: str, payload: dict[str, Any]) -> None:
 
 @app.task(name="ckptconv.inspect")
 def inspect(reply_key: str, payload: dict[str, Any]) -> None:
-    def compute() -> Any:
-        from worker import engine
-
-        return engine.inspect(payload["uri"], source_format=payload.get("format"))
-
-    _reply(reply_key, compute)
+    _reply(reply_key, lambda: inspect_checkpoint(payload["uri"], source_format=payload.get("format")))
 
 
 # --- webhooks --------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ckptconv.jobkinds import KINDS
+from ckptconv.formats import FORMATS
+from ckptconv.jobs.kinds import KINDS
 from service.schemas.catalog import FormatList, KindList
-from worker.formats import FORMATS
 
 router = APIRouter(prefix="/v1", tags=["catalog"])
 

@@ -8,7 +8,7 @@ import time
 from fastapi import APIRouter, Response
 from pydantic import BaseModel
 
-from ckptconv.errors import ServiceUnavailable
+from ckptconv.core.errors import ServiceUnavailable
 from service import metrics
 from service.deps import State
 from service.schemas.common import problem_responses
@@ -53,7 +53,7 @@ async def readyz(state: State) -> Readiness:
 
 
 def _probe_storage(uri: str) -> None:
-    from worker.storage import open_storage
+    from ckptconv.storage import open_storage
 
     for _ in open_storage(uri).list(uri):
         break

@@ -19,14 +19,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from ckptconv.errors import Cancelled, Conflict, InvalidRequest, NotFound
-from ckptconv.jobkinds import get_kind
-from service.auth import Principal, scoped_refs
+from ckptconv.core.auth import Principal
+from ckptconv.core.errors import Cancelled, Conflict, InvalidRequest, NotFound
+from ckptconv.core.jobstore import TERMINAL, job_resource, new_job_id, new_record, now_ms
+from ckptconv.jobs.kinds import get_kind
 from service.deps import AppState, Authorized, IdempotencyKey, fingerprint, idempotency_record_key
 from service.idempotency import replay
-from service.jobstore import TERMINAL, job_resource, new_job_id, new_record, now_ms
 from service.schemas.common import problem_responses
 from service.schemas.jobs import Job, JobList, JobRequest, JobState, KindName
+from service.scopes import scoped_refs
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ckptconv.errors import NotFound
+from ckptconv.core.errors import NotFound
+from ckptconv.engine.layouts.registry import describe_model, list_models, model_index
 from service.schemas.common import problem_responses
 from service.schemas.models import ModelDetail, ModelList
-from worker.layouts.registry import describe_model, list_models, model_index
 
 router = APIRouter(prefix="/v1", tags=["catalog"])
 

@@ -7,13 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from ckptconv.jobkinds import get_kind
-from service.auth import canonical_uri, scoped_refs
+from ckptconv.core.auth import canonical_uri
+from ckptconv.jobs.kinds import get_kind
 from service.deps import Authorized, IdempotencyKey, fingerprint, idempotency_record_key
 from service.idempotency import idempotent
 from service.schemas.common import FormatName, problem_responses
 from service.schemas.jobs import PlanRequest
 from service.schemas.plans import InspectView, Plan
+from service.scopes import scoped_refs
 from service.worker_calls import call_worker
 
 router = APIRouter(prefix="/v1", tags=["plans"])

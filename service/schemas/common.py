@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.formats import FORMATS
+from ckptconv.formats import FORMATS
 
 FormatName = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
 WritableFormat = Literal[tuple(name for name, spec in FORMATS.items() if spec.sink)]  # type: ignore[valid-type]

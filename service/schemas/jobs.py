@@ -1,7 +1,7 @@
 """The job resource: what ``POST /v1/jobs`` accepts and what ``GET /v1/jobs/{id}`` returns.
 
 The request is a union discriminated by ``kind``, built from the registry of job kinds
-(:mod:`ckptconv.jobkinds`): each kind brings its options model and says whether it needs a target.
+(:mod:`ckptconv.jobs.kinds`): each kind brings its options model and says whether it needs a target.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from ckptconv.jobkinds import KINDS, JobKind
-from service.jobstore import STATES
+from ckptconv.core.jobstore import STATES
+from ckptconv.jobs.kinds import KINDS, JobKind
 from service.schemas.common import Problem, SourceRef, StrictModel, TargetRef
 
 MAX_LABELS = 32

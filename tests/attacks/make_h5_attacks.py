@@ -48,10 +48,10 @@ def exec_pickle() -> bytes:
 def _small_checkpoint(path: Path) -> None:
     import torch
 
-    from worker.formats.base import Entry
-    from worker.formats.cs_h5 import CsH5Sink
-    from worker.storage import open_storage
-    from worker.tree import flatten
+    from ckptconv.formats.base import Entry
+    from ckptconv.formats.cs_h5 import CsH5Sink
+    from ckptconv.formats.tree import flatten
+    from ckptconv.storage import open_storage
 
     state = {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}, "step": 3}
     leaves, spec = flatten(state)

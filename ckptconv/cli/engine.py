@@ -1,0 +1,207 @@
+"""Container commands: ``inspect``, ``convert``, ``plan``, ``formats``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
+
+
+def dtype_arg(value: str) -> str:
+    return DTYPE_ALIASES.get(value.lower(), value.lower())
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show a checkpoint's format, release, keys, dtypes and shapes")
+    p.add_argument("uri", help="local path or s3://bucket/key (file, index file, or directory)")
+    p.add_argument("--from", dest="source_format", help="source format (default: detected)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("convert", help="convert a checkpoint between container formats, verifying the result")
+    p.add_argument("source", help="local path or s3://bucket/key of the source checkpoint")
+    p.add_argument("target", help="where to write (a file for cs-h5, a directory or file for safetensors/torch)")
+    p.add_argument("--to", dest="to", help="target format (cs-h5, safetensors, torch, tf, cs-s3)")
+    p.add_argument("--from", dest="source_format", help="source format (default: detected)")
+    p.add_argument("--shard-size", help="split the output into shards of at most this size (e.g. 5GB, 500MiB)")
+    p.add_argument("--dtype", type=dtype_arg, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
+    p.add_argument("--no-verify", action="store_true", help="skip re-reading the output (not recommended)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("plan", help="dry run: what a conversion would write, from metadata only")
+    p.add_argument("source")
+    p.add_argument("--to", required=True)
+    p.add_argument("--from", dest="source_format")
+    p.add_argument("--shard-size")
+    p.add_argument("--dtype", type=dtype_arg)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("formats", help="list the container formats")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_formats)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ckptconv.engine.convert import inspect
+
+    view = inspect(args.uri, source_format=args.source_format, allow_incomplete=args.allow_incomplete or None)
+    if args.json:
+        json.dump(view, sys.stdout, indent=2)
+        print()
+        return 0
+    info = view.get("info") or {}
+    print(f"uri:      {view['uri']}")
+    print(f"format:   {view['format']}")
+    for k in ("release", "format_version", "cstorch_version"):
+        if info.get(k) is not None:
+            print(f"{k + ':':<9} {info[k]}")
+    print(f"keys:     {view['keys']} ({view['tensors']} tensors)")
+    print(f"bytes:    {view['total_bytes']} ({_human(view['total_bytes'])})")
+    if view["dtypes"]:
+        print("dtypes:   " + ", ".join(f"{d} x{n}" for d, n in sorted(view["dtypes"].items())))
+    print()
+    width = min(max((len(e["key"]) for e in view["entries"]), default=10), 90)
+    for e in view["entries"]:
+        if e["kind"] in ("tensor", "array"):
+            desc = f"{e['dtype']:<9} {e['shape']}" + ("  (numpy)" if e["kind"] == "array" else "")
+        elif e["kind"] == "link":
+            desc = f"-> {e['target']}"
+        elif e["kind"] == "value":
+            desc = f"= {e['value']!r}"
+        else:
+            desc = f"object ({e['bytes']} bytes)"
+        print(f"  {e['key']:<{width}}  {desc}")
+    return 0
+
+
+class _Bar:
+    """A tqdm progress bar fed by engine progress snapshots (one bar per stage)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self.stage: str | None = None
+
+    def __call__(self, p: Any) -> None:
+        if not self.enabled or p.stage in ("planning", "done"):
+            if p.stage == "done":
+                self.close()
+            return
+        from tqdm import tqdm
+
+        if p.stage != self.stage:
+            self.close()
+            self.stage = p.stage
+            self.bar = tqdm(
+                total=p.bytes_total,
+                unit="B",
+                unit_scale=True,
+                desc=f"{p.stage:<10}",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+        self.bar.n = p.bytes_done
+        self.bar.set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def print_result(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return
+    verify = result.get("verify") or {}
+    print(f"wrote {result['tensors']} tensors, {_human(result['bytes'])} as {result['format']} to {result['target']}")
+    for o in result["outputs"]:
+        print(f"  {o['role']:<7} {o['uri']}  {_human(o['size'])}  sha256 {(o['sha256'] or '')[:16]}")
+    print(f"  manifest {result['manifest']}")
+    if verify.get("ok"):
+        print(f"verified: OK, {verify['entries_checked']} entries re-read and matched ({verify.get('hash')})")
+    elif verify.get("skipped"):
+        print("verified: skipped (--no-verify)")
+    for w in result.get("warnings") or []:
+        print(f"warning: {w}")
+    t = result.get("timings") or {}
+    if t:
+        print("timings: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in t.items()))
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ckptconv.engine.convert import convert
+
+    bar = _Bar(not args.no_progress)
+    try:
+        result = convert(
+            args.source,
+            args.target,
+            to=args.to,
+            source_format=args.source_format,
+            shard_size=args.shard_size,
+            dtype=args.dtype,
+            progress=bar,
+            verify=not args.no_verify,
+            allow_incomplete=args.allow_incomplete or None,
+        )
+    finally:
+        bar.close()
+    print_result(result.to_dict(), args.json)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ckptconv.engine.convert import plan_conversion
+
+    view = plan_conversion(
+        args.source, to=args.to, source_format=args.source_format, shard_size=args.shard_size, dtype=args.dtype
+    )
+    json.dump(view, sys.stdout, indent=2)
+    print()
+    return 0 if view.get("ok") else 2
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    from ckptconv.formats import FORMATS
+
+    rows = [
+        {"name": f.name, "read": f.source is not None, "write": f.sink is not None, "description": f.description}
+        for f in FORMATS.values()
+    ]
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        print()
+        return 0
+    for r in rows:
+        rw = ("r" if r["read"] else "-") + ("w" if r["write"] else "-")
+        print(f"{r['name']:<12} {rw}  {r['description']}")
+    return 0

@@ -1,0 +1,203 @@
+"""Model-layout commands: ``models``, ``convert-model``, ``convert-config``.
+
+``convert-model`` names its outputs as the Cerebras Model Zoo does (``<name>_to_cs-2.9.mdl`` with
+``<config>_to_cs-2.9.yaml``, or a ``<name>_to_hf/`` directory with ``config.json``) in the output
+directory (default: beside the input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+FORMAT_HELP = "hf, cs-X.Y (cs-1.6 ... cs-2.9), cs-auto (source: detect), cs-current (target: cs-2.9)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the model names and the layouts each converts between")
+    p.add_argument("name", nargs="?", help="show one model: family, formats, key rules")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser(
+        "convert-model",
+        help="convert a checkpoint and its config between Hugging Face and Cerebras Model Zoo layouts",
+    )
+    p.add_argument("source", help="checkpoint: HF file / index / directory, or a Cerebras .mdl (local or s3://)")
+    p.add_argument("output_dir", nargs="?", help="output directory (default: beside the input)")
+    p.add_argument("--model", required=True, help="Model Zoo model name (see `ckptconv models`)")
+    p.add_argument("--src-fmt", required=True, help=f"source layout: {FORMAT_HELP}")
+    p.add_argument("--tgt-fmt", required=True, help=f"target layout: {FORMAT_HELP}")
+    p.add_argument(
+        "--config",
+        help="HF config.json or Cerebras YAML (default: config.json beside an HF input, "
+        "or the params recorded in a Cerebras checkpoint)",
+    )
+    p.add_argument("--drop-unmatched-keys", action="store_true", help="drop keys no rule matches instead of failing")
+    p.add_argument("--export-safetensors", action="store_true", help="write safetensors shards for HF outputs")
+    p.add_argument("--hf-shard-size", default="10GB", help="largest HF output shard (default 10GB; GB/GiB/MB/...)")
+    p.add_argument("--fold-lora", action="store_true", help="fold LoRA adapters (lora_A/lora_B) into the weights")
+    p.add_argument("--no-fold-mup", action="store_true", help="refuse muP checkpoints instead of folding them")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the appliance simulator on the result and compare logits with transformers",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan (keys, recipes, config) and write nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_convert_model)
+
+    p = sub.add_parser("convert-config", help="convert a model config between Hugging Face and Cerebras layouts")
+    p.add_argument("config", help="HF config.json or Cerebras YAML")
+    p.add_argument("--model", required=True)
+    p.add_argument("--src-fmt", required=True, help="hf or cs-X.Y")
+    p.add_argument("--tgt-fmt", required=True, help="hf, cs-X.Y or cs-current")
+    p.add_argument("--output-dir", help="where to write <name>_to_<fmt>.json|yaml (default: beside the input)")
+    p.add_argument("--json", action="store_true", help="print the converted config as JSON instead of writing it")
+    p.set_defaults(func=cmd_convert_config)
+
+
+def _formats_short(formats: list[str]) -> str:
+    cs = [f for f in formats if f.startswith("cs-")]
+    parts = [f for f in formats if not f.startswith("cs-")]
+    if cs:
+        parts.append(cs[0] if len(cs) == 1 else f"{cs[0]}..{cs[-1]}")
+    return ", ".join(parts)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from ckptconv.engine.layouts.registry import describe_model, list_models
+
+    if args.name:
+        view = describe_model(args.name)
+        if args.json:
+            json.dump(view, sys.stdout, indent=2)
+            print()
+            return 0
+        print(f"model:    {view['name']}" + (f" (alias of {view['alias_of']})" if view.get("alias_of") else ""))
+        if view["family"] is None:  # a wrapper of another model (dpo)
+            print(f"family:   - ({view['description']})")
+        else:
+            print(f"family:   {view['family']} - {view['description']}")
+        print(f"formats:  {', '.join(view['formats'])}")
+        print(f"HF class: {', '.join(view.get('hf_architectures') or []) or '-'}")
+        for n in view.get("notes", []):
+            print(f"note:     {n}")
+        print("key rules (Hugging Face <-> Cerebras):")
+        for r in view["key_rules"]:
+            print(f"  {r}")
+        return 0
+    models = list_models()
+    if args.json:
+        json.dump({"models": models}, sys.stdout, indent=2)
+        print()
+        return 0
+    width = max(len(m["name"]) for m in models)
+    print(f"{'model':<{width}}  {'family':<11} formats")
+    for m in models:
+        if not m["supported"]:
+            print(f"{m['name']:<{width}}  {'-':<11} not convertible: {m['reason']}")
+            continue
+        if m["family"] is None:  # a wrapper of another model (dpo)
+            print(f"{m['name']:<{width}}  {'-':<11} {m['description']}")
+            continue
+        alias = f"  (= {m['alias_of']})" if m.get("alias_of") else ""
+        print(f"{m['name']:<{width}}  {m['family']:<11} {_formats_short(m['formats'])}{alias}")
+    return 0
+
+
+def cmd_convert_model(args: argparse.Namespace) -> int:
+    from ckptconv.cli.engine import _Bar, print_result
+
+    options: dict[str, Any] = {
+        "model": args.model,
+        "src_fmt": args.src_fmt,
+        "tgt_fmt": args.tgt_fmt,
+        "config": args.config,
+        "drop_unmatched_keys": args.drop_unmatched_keys,
+        "fold_lora": args.fold_lora,
+        "fold_mup": not args.no_fold_mup,
+    }
+    if args.dry_run:
+        from ckptconv.engine.layouts import plan_model
+        from ckptconv.engine.layouts.api import open_model_source
+
+        src = open_model_source(args.source, args.model, args.src_fmt)
+        try:
+            plan = plan_model(src, **options)
+            sizes = {e.key: e.nbytes for e in src.entries()}
+        finally:
+            src.close()
+        json.dump(plan.to_dict(source_sizes=sizes), sys.stdout, indent=2, default=str)
+        print()
+        return 2 if plan.unmatched and not args.drop_unmatched_keys else 0
+
+    from ckptconv.engine.layouts import convert_model
+
+    bar = _Bar(not args.no_progress)
+    try:
+        result = convert_model(
+            args.source,
+            args.output_dir,
+            export_safetensors=args.export_safetensors,
+            hf_shard_size=args.hf_shard_size,
+            progress=bar,
+            **options,
+        )
+    finally:
+        bar.close()
+    view = result.to_dict()
+    rc = 0
+    if args.verify:
+        view["simulator"] = _simulate(args, result)
+        rc = 0 if view["simulator"].get("passed") else 2
+    print_result(view, args.json)
+    if args.verify and not args.json:
+        sim = view["simulator"]
+        print(f"simulator: {sim.get('verdict')} (max |diff| {sim.get('max_abs_diff')}, ", end="")
+        print(f"cosine {sim.get('cosine_similarity')})")
+    return rc
+
+
+def _simulate(args: argparse.Namespace, result: Any) -> dict[str, Any]:
+    """Compare the Hugging Face side with the simulator's model of the Cerebras side."""
+    import os
+
+    from ckptconv.engine.simulator.verify import verify
+
+    conv = (result.extras or {}).get("model_conversion") or {}
+    if conv.get("target_format") == "hf":
+        hf, cs_ckpt, cs_cfg = result.target, args.source, args.config
+    else:
+        configs = [o.uri for o in result.outputs if o.role == "config"]
+        hf, cs_ckpt, cs_cfg = args.source, result.target, configs[0] if configs else None
+    if cs_cfg is None:
+        return {"verdict": "skipped", "passed": False, "reason": "the Cerebras config is needed (--config)"}
+    hf_dir = hf if os.path.isdir(hf) else os.path.dirname(hf) or "."
+    return verify(hf_dir, cs_ckpt, cs_cfg, args.model)
+
+
+def cmd_convert_config(args: argparse.Namespace) -> int:
+    from ckptconv.engine.layouts import convert_config
+
+    out = convert_config(
+        args.config,
+        model=args.model,
+        src_fmt=args.src_fmt,
+        tgt_fmt=args.tgt_fmt,
+        output_dir=args.output_dir,
+        write=not args.json,
+    )
+    if args.json:
+        json.dump(out, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"wrote {out['path']}")
+    for w in out.get("warnings") or []:
+        print(f"warning: {w}")
+    if out.get("ignored_keys"):
+        print(f"not converted (no rule): {', '.join(out['ignored_keys'])}")
+    return 0

@@ -1,1 +1,0 @@
-"""Subcommand modules of the ckptconv command line."""

@@ -1,0 +1,421 @@
+"""Execute a plan: read source values, transform, write to a sink, one entry at a time.
+
+Memory: a reader thread reads the next source value while the current one is transformed and
+written (two cores: reading overlaps writing), under a byte budget, so the values alive at once are
+bounded by ``max(budget, largest value) +`` one step's output. Values are dropped as soon as no later
+step needs them (reference counts from ``Plan.input_uses``).
+
+Every data value written is hashed (xxh3-128 of its raw bytes) on the way out; ``verify_output``
+reopens what the sink wrote and compares every entry against those hashes.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ckptconv.core.errors import Cancelled, CkptconvError, VerificationFailed
+from ckptconv.engine.plan import IDENTITY, Plan
+from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, TensorSource
+
+
+@dataclass
+class Progress:
+    """A snapshot passed to progress callbacks (at most a few per second, plus one per stage change)."""
+
+    stage: str  # planning | converting | verifying | publishing | done
+    tensors_done: int = 0
+    tensors_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second over the stage so far."""
+        return self.bytes_done / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def eta(self) -> float | None:
+        rate = self.throughput
+        if rate <= 0 or self.bytes_total <= self.bytes_done:
+            return None if self.bytes_done < self.bytes_total else 0.0
+        return (self.bytes_total - self.bytes_done) / rate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "tensors_done": self.tensors_done,
+            "tensors_total": self.tensors_total,
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+            "throughput_bytes_per_s": round(self.throughput, 1),
+            "eta_seconds": None if self.eta is None else round(self.eta, 1),
+        }
+
+
+ProgressFn = Callable[[Progress], None]
+CancelFn = Callable[[], bool]
+
+
+class ProgressReporter:
+    """Throttles progress callbacks to ``hz`` per second; stage changes always report."""
+
+    def __init__(self, fn: ProgressFn | None, hz: float = 4.0) -> None:
+        self.fn = fn
+        self.min_interval = 1.0 / hz
+        self.last = 0.0
+        self.stage_start = time.monotonic()
+        self.current = Progress("planning")
+
+    def stage(self, name: str, tensors_total: int = 0, bytes_total: int = 0) -> None:
+        self.stage_start = time.monotonic()
+        self.current = Progress(name, 0, tensors_total, 0, bytes_total)
+        self._emit(force=True)
+
+    def advance(self, tensors: int, nbytes: int) -> None:
+        self.current.tensors_done += tensors
+        self.current.bytes_done += nbytes
+        self._emit(force=False)
+
+    def finish(self) -> None:
+        self._emit(force=True)
+
+    def _emit(self, force: bool) -> None:
+        if self.fn is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.last < self.min_interval:
+            return
+        self.last = now
+        self.current.elapsed = now - self.stage_start
+        self.fn(Progress(**vars(self.current)))
+
+
+# --- hashing ---------------------------------------------------------------------------------
+
+
+def value_digest(value: Any) -> str:
+    """A digest of one value as a checkpoint stores it: raw bytes for tensors, payload for objects."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous().reshape(-1)
+        raw = t.view(torch.uint8).numpy() if t.numel() else b""
+        h = xxhash.xxh3_128(raw)
+        h.update(f"|{value.dtype!s}|{tuple(value.shape)}".encode())
+        return h.hexdigest()
+    if isinstance(value, OpaqueObject):
+        return "bytes:" + xxhash.xxh3_128(value.payload).hexdigest()
+    if isinstance(value, bytes | bytearray):
+        return "bytes:" + xxhash.xxh3_128(bytes(value)).hexdigest()
+    return "value:" + xxhash.xxh3_128(_canonical_repr(value).encode()).hexdigest()
+
+
+def _canonical_repr(value: Any) -> str:
+    # Floats by exact hex so NaN == NaN and -0.0 != 0.0 compare as a checkpoint would store them;
+    # bool before int because bool is an int subclass.
+    if isinstance(value, bool):
+        return f"bool:{value}"
+    if isinstance(value, float):
+        return "float:" + (value.hex() if math.isfinite(value) else repr(value))
+    if isinstance(value, int):
+        return f"int:{value}"
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        return "str:" + value
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return _canonical_repr(value.item())
+    return f"{type(value).__name__}:{value!r}"
+
+
+def value_nbytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, OpaqueObject):
+        return len(value.payload)
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    return 0
+
+
+# --- reading ahead ---------------------------------------------------------------------------
+
+
+class _Prefetcher:
+    """Reads source values in first-use order on one thread, holding at most ``budget`` bytes ahead."""
+
+    _DONE = object()
+
+    def __init__(self, source: TensorSource, keys: list[str], sizes: dict[str, int], budget: int) -> None:
+        self.source = source
+        self.keys = keys
+        self.sizes = sizes
+        self.budget = budget
+        self.outstanding = 0
+        # Values the consumer has asked for / the reader has delivered: when the consumer is blocked
+        # on a value (demand > delivered) the reader goes on regardless of the budget, since the
+        # consumer may hold several inputs of one step (a fused QKV) that together exceed it.
+        self.demand = 0
+        self.delivered = 0
+        self.cond = threading.Condition()
+        self.q: queue.Queue[tuple[str, Any, BaseException | None]] = queue.Queue()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="ckptconv-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for key in self.keys:
+            size = self.sizes.get(key, 0)
+            with self.cond:
+                # A value bigger than the budget still goes alone: wait until nothing is outstanding.
+                while (
+                    not self.stopped
+                    and self.outstanding > 0
+                    and self.outstanding + size > self.budget
+                    and self.demand <= self.delivered
+                ):
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                self.outstanding += size
+            try:
+                value = self.source.read(key)
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                self.q.put((key, None, e))
+                return
+            with self.cond:
+                self.delivered += 1
+            self.q.put((key, value, None))
+
+    def get(self, expected: str) -> Any:
+        with self.cond:
+            self.demand += 1
+            self.cond.notify_all()
+        key, value, err = self.q.get()
+        if err is not None:
+            raise err
+        if key != expected:  # the consumer and the reader walk the same list; anything else is a bug
+            raise RuntimeError(f"prefetch order broken: expected {expected!r}, got {key!r}")
+        return value
+
+    def release(self, key: str) -> None:
+        with self.cond:
+            self.outstanding -= self.sizes.get(key, 0)
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        # Drain so a reader blocked on nothing can finish; values are dropped here.
+        while self.thread.is_alive():
+            try:
+                self.q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self.thread.join()
+
+
+def _first_use_order(plan: Plan) -> list[str]:
+    seen: set[str] = set()
+    order: list[str] = []
+    for s in plan.steps:
+        if s.out.kind == "link":
+            continue
+        for k in s.inputs:
+            if k not in seen:
+                seen.add(k)
+                order.append(k)
+    return order
+
+
+def execute(
+    plan: Plan,
+    source: TensorSource,
+    sink: TensorSink,
+    *,
+    reporter: ProgressReporter | None = None,
+    cancelled: CancelFn | None = None,
+    prefetch: bool = True,
+) -> dict[str, str]:
+    """Run ``plan`` from ``source`` into ``sink`` (begin + writes; the caller commits or aborts).
+
+    Returns the digest of every value written, by output key. Raises Cancelled between entries when
+    ``cancelled()`` turns true.
+    """
+    reporter = reporter or ProgressReporter(None)
+    entries = plan.entries()
+    sink.check(entries)
+    sink.begin(entries, plan.spec)
+    src_sizes = {e.key: e.nbytes for e in source.entries()}
+    uses = plan.input_uses()
+    order = _first_use_order(plan)
+    largest = max((src_sizes.get(k, 0) for k in order), default=0)
+    fetcher = _Prefetcher(source, order, src_sizes, budget=largest) if prefetch and order else None
+    cache: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    reporter.stage("converting", plan.tensors_total, plan.bytes_total)
+    try:
+        for step in plan.steps:
+            if cancelled is not None and cancelled():
+                raise Cancelled("cancelled by request; nothing was published")
+            out = step.out
+            if out.kind == "link":
+                continue
+            if not step.inputs:
+                value = out.value
+            else:
+                values = []
+                for k in step.inputs:
+                    if k not in cache:
+                        cache[k] = fetcher.get(k) if fetcher else source.read(k)
+                    values.append(cache[k])
+                value = (step.transform or IDENTITY)(values)
+                del values
+            _check_produced(out, value)
+            digests[out.key] = value_digest(value)
+            sink.write(out.key, value)
+            if out.is_data:
+                reporter.advance(1, out.nbytes)
+            del value
+            for k in step.inputs:
+                uses[k] -= 1
+                if uses[k] == 0:
+                    cache.pop(k, None)
+                    if fetcher:
+                        fetcher.release(k)
+        reporter.finish()
+    finally:
+        cache.clear()
+        if fetcher:
+            fetcher.stop()
+    return digests
+
+
+def _check_produced(out: Entry, value: Any) -> None:
+    """A transform must produce exactly the entry the plan announced (the sink's header depends on it)."""
+    if out.kind not in ("tensor", "array"):
+        return
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise VerificationFailed(f"{out.key}: the plan announced a tensor but {type(value).__name__} was produced")
+    dtype = str(value.dtype).removeprefix("torch.")
+    if dtype != out.dtype or tuple(value.shape) != tuple(out.shape or ()):
+        raise VerificationFailed(
+            f"{out.key}: produced {dtype}{list(value.shape)} but the plan announced {out.dtype}{list(out.shape or ())}"
+        )
+
+
+# --- verification ----------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    entries_checked: int
+    bytes_checked: int
+    mismatches: list[str]
+    hash: str = "xxh3_128"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "entries_checked": self.entries_checked,
+            "bytes_checked": self.bytes_checked,
+            "mismatches": self.mismatches[:50],
+            "hash": self.hash,
+        }
+
+
+def verify_output(
+    plan: Plan,
+    digests: dict[str, str],
+    reopened: TensorSource,
+    *,
+    reporter: ProgressReporter | None = None,
+    cancelled: CancelFn | None = None,
+) -> VerifyReport:
+    """Reopen what was written and compare every entry with what the plan wrote.
+
+    Entry kinds are compared by what the target can express: a format without a separate numpy
+    kind returns arrays as tensors; one that cannot alias returns links as copies of their target.
+    """
+    reporter = reporter or ProgressReporter(None)
+    written = {s.out.key: s.out for s in plan.steps}
+    got = {e.key: e for e in reopened.entries()}
+    mismatches: list[str] = []
+    missing = [k for k in written if k not in got]
+    extra = [k for k in got if k not in written]
+    mismatches += [f"{k}: missing from the output" for k in missing]
+    mismatches += [f"{k}: in the output but not in the plan" for k in extra]
+    reporter.stage("verifying", plan.tensors_total, plan.bytes_total)
+    checked = 0
+    nbytes = 0
+    for key, want in written.items():
+        if key not in got:
+            continue
+        if cancelled is not None and cancelled():
+            raise Cancelled("cancelled by request; nothing was published")
+        have = got[key]
+        if want.kind == "link":
+            if have.kind == "link":
+                if have.target != want.target:
+                    mismatches.append(f"{key}: links to {have.target!r}, expected {want.target!r}")
+                continue
+            expected = digests.get(want.target or "")
+        else:
+            expected = digests.get(key)
+        ref = _resolved(want, written)
+        if have.kind in ("tensor", "array") and (
+            have.dtype != ref.dtype or tuple(have.shape or ()) != tuple(ref.shape or ())
+        ):
+            mismatches.append(f"{key}: {have.dtype}{list(have.shape or ())} != {ref.dtype}{list(ref.shape or ())}")
+            continue
+        if have.kind == "link":
+            expected_target = digests.get(have.target or "")
+            if expected_target != expected:
+                mismatches.append(f"{key}: output links to {have.target!r} whose content differs")
+            continue
+        value = have.value if have.kind == "value" else reopened.read(key)
+        digest = value_digest(value)
+        if digest != expected:
+            mismatches.append(f"{key}: content differs from what was written")
+        checked += 1
+        size = value_nbytes(value)
+        nbytes += size
+        del value
+        if have.is_data:
+            reporter.advance(1, size)
+    reporter.finish()
+    return VerifyReport(not mismatches, checked, nbytes, mismatches)
+
+
+def _resolved(entry: Entry, written: dict[str, Entry]) -> Entry:
+    seen = 0
+    while entry.kind == "link" and entry.target in written and seen < 64:
+        entry = written[entry.target]
+        seen += 1
+    return entry
+
+
+def describe_error(err: BaseException) -> dict[str, Any]:
+    if isinstance(err, CkptconvError):
+        return err.to_problem()
+    return {"code": "internal_error", "title": "Internal error", "detail": f"{type(err).__name__}: {err}"}

@@ -1,0 +1,369 @@
+"""Model-layout conversion entry points: plan (dry run), convert a checkpoint, convert a config.
+
+Outputs are named as the Model Zoo names them (reference §1.6): in the output directory (default:
+beside the input), ``<base>_to_cs-X.Y.mdl`` with ``<config>_to_cs-X.Y.yaml``, or a directory
+``<base>_to_hf/`` holding the shards, their index and ``config.json``. ``<base>`` is the input
+name without its trailing alphabetic extensions (``pytorch_model.bin.index.json`` ->
+``pytorch_model``, ``checkpoint_1.7.mdl`` -> ``checkpoint_1.7``).
+
+Deviations from the Model Zoo, on purpose:
+
+- a single ``.safetensors`` file or a Hugging Face directory is accepted as input;
+- the converted config is written beside the converted checkpoint (one atomic publication);
+- ``cs-current`` is the newest release this build knows (cs-2.9), not an installed package's;
+- HF -> CS writes ``__cstorch_version__`` = the target release, so ``cs-auto`` reads it back.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import posixpath
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckptconv.core.errors import ConfigConversionError, InvalidRequest, NoConversionPath, ObjectNotFound
+from ckptconv.engine.layouts import dpo, dpr, llava, upgrades
+from ckptconv.engine.layouts.config import dump_cs_yaml, dump_hf_json
+from ckptconv.engine.layouts.dpo import parse_model_format
+from ckptconv.engine.layouts.planner import ConfigResult, Request, build_plan, convert_config_doc
+from ckptconv.engine.layouts.registry import resolve
+from ckptconv.engine.plan import Plan
+
+DEFAULT_HF_SHARD_SIZE = "10GB"
+# Models whose Hugging Face side is several model directories, by name: their module says which
+# (``COMPONENTS``) and writes each directory's config files (``hf_config_files``).
+COMPOSITES = {dpr.MODEL_NAME: dpr, llava.MODEL_NAME: llava}
+
+
+# --- config documents ------------------------------------------------------------------------
+
+
+def _read(uri: str) -> bytes:
+    from ckptconv.storage import open_storage
+
+    storage = open_storage(uri)
+    return storage.read_all(uri)
+
+
+def parse_config_bytes(data: bytes, name: str) -> dict[str, Any]:
+    """A config file's content: JSON (``config.json``) or YAML (Cerebras run files)."""
+    import yaml
+
+    kind = "JSON" if name.endswith(".json") else "YAML"
+    try:
+        text = data.decode("utf-8")
+        doc = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        raise ConfigConversionError(f"{name} is not valid {kind}: {e}") from e
+    if not isinstance(doc, dict):
+        raise ConfigConversionError(f"{name} does not hold a mapping of config keys")
+    return doc
+
+
+def load_config(config: str | Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
+    """(document, uri) from a URI/path or a dict."""
+    if config is None:
+        return None, None
+    if isinstance(config, Mapping):
+        return dict(config), None
+    try:
+        return parse_config_bytes(_read(config), config), config
+    except ObjectNotFound:
+        raise ConfigConversionError(f"config file {config} does not exist", hint="check the --config path") from None
+
+
+def _find_hf_config(src_uri: str) -> str | None:
+    from ckptconv.storage import open_storage
+
+    storage = open_storage(src_uri)
+    candidates = []
+    if not storage.exists(src_uri):
+        candidates.append(storage.join(src_uri.rstrip("/"), "config.json"))
+    else:
+        parent = posixpath.dirname(src_uri.rstrip("/"))
+        if parent:
+            candidates.append(storage.join(parent, "config.json"))
+    for c in candidates:
+        if storage.exists(c):
+            return c
+    return None
+
+
+# --- names ----------------------------------------------------------------------------------
+
+
+def strip_extensions(name: str) -> str:
+    """Drop every trailing purely alphabetic extension: ``pytorch_model.bin.index.json`` -> ``pytorch_model``."""
+    parts = name.split(".")
+    while len(parts) > 1 and re.fullmatch(r"[A-Za-z]+", parts[-1]):
+        parts.pop()
+    return ".".join(parts)
+
+
+def _source_base(source: Any) -> str:
+    if source.format == "components":
+        return "pytorch_model"  # what the Model Zoo names a checkpoint packed from component directories
+    uri = source.uri.rstrip("/")
+    name = posixpath.basename(uri)
+    if "." in name:
+        return strip_extensions(name)
+    files = [f for f in source.files() if f.rstrip("/") != uri]
+    index = [f for f in files if f.endswith(".index.json")]
+    pick = index[0] if index else (files[0] if files else uri)
+    base = strip_extensions(posixpath.basename(pick))
+    return re.sub(r"-\d{5}-of-\d{5}$", "", base)
+
+
+def output_names(source: Any, config_uri: str | None, tgt_node: str, *, output_dir: str | None) -> tuple[str, str]:
+    """(checkpoint target URI, config file path relative to the target's parent)."""
+    from ckptconv.storage import open_storage
+
+    src_uri = source.uri.rstrip("/")
+    storage = open_storage(src_uri)
+    base = _source_base(source)
+    if output_dir is None:
+        # Beside the input file; for a directory source (an HF model directory), inside it.
+        output_dir = (posixpath.dirname(src_uri) or ".") if storage.exists(src_uri) else src_uri
+    if tgt_node == "hf":
+        target = storage.join(output_dir.rstrip("/"), f"{base}_to_hf")
+        return target, f"{base}_to_hf/config.json"
+    cfg_base = strip_extensions(posixpath.basename(config_uri)) if config_uri else "config"
+    target = storage.join(output_dir.rstrip("/"), f"{base}_to_{tgt_node}.mdl")
+    return target, f"{cfg_base}_to_{tgt_node}.yaml"
+
+
+def planned_target(source: Any, plan: Plan, config: Any, output_dir: str | None) -> str:
+    """Where a conversion with ``plan`` would write its checkpoint."""
+    cfg_uri = config if isinstance(config, str) else None
+    if cfg_uri is None and plan.extras.get("source_format") == "hf":
+        cfg_uri = _find_hf_config(source.uri)
+    return output_names(source, cfg_uri, _target_label(plan), output_dir=output_dir)[0]
+
+
+def _target_label(plan: Plan) -> str:
+    """The target format as output names spell it (``cs-2.9``, or ``cs-2.9-dpo`` for a wrapper)."""
+    return plan.extras.get("target_label", plan.extras["target_format"])
+
+
+def output_target(
+    src_uri: str,
+    tgt_fmt: str,
+    config: Any,
+    output_dir: str | None,
+    *,
+    model: str | None = None,
+    src_fmt: str | None = None,
+) -> str:
+    """The checkpoint target of a conversion, from the request alone (opens the source's metadata)."""
+    tgt = parse_model_format(tgt_fmt, side="target")
+    source, _ = _open(src_uri, model, src_fmt)
+    try:
+        return output_names(source, config if isinstance(config, str) else None, tgt, output_dir=output_dir)[0]
+    finally:
+        source.close()
+
+
+# --- planning -------------------------------------------------------------------------------
+
+
+def open_model_source(uri: str, model: str | None = None, src_fmt: str | None = None, fmt: str | None = None) -> Any:
+    """The source of a model conversion: the checkpoint at ``uri``, or for a model whose Hugging
+    Face side is several directories (DPR, LLaVA), those directories read as one."""
+    from ckptconv.core.uri import normalize_uri
+    from ckptconv.formats.detect import open_source
+
+    if model in COMPOSITES and src_fmt == "hf":
+        from ckptconv.formats.components import ComponentSource
+        from ckptconv.storage import open_storage
+
+        uri = normalize_uri(uri)
+        return ComponentSource(open_storage(uri), uri, COMPOSITES[model].COMPONENTS)
+    return open_source(uri, fmt)
+
+
+def _open(src: Any, model: str | None = None, src_fmt: str | None = None) -> tuple[Any, bool]:
+    if isinstance(src, str):
+        return open_model_source(src, model, src_fmt), True
+    return src, False
+
+
+def _request(model: str, src_fmt: str, tgt_fmt: str, options: Mapping[str, Any]) -> Request:
+    return Request(
+        model=model,
+        src_fmt=src_fmt,
+        tgt_fmt=tgt_fmt,
+        drop_unmatched_keys=bool(options.get("drop_unmatched_keys", False)),
+        fold_lora=bool(options.get("fold_lora", False)),
+        fold_mup=bool(options.get("fold_mup", True)),
+    )
+
+
+def _config_for(source: Any, config: Any, src_fmt: str) -> tuple[dict[str, Any] | None, str | None]:
+    doc, uri = load_config(config)
+    if doc is None and src_fmt == "hf":
+        found = _find_hf_config(source.uri)
+        if found is not None:
+            doc, uri = load_config(found)
+    return doc, uri
+
+
+def plan_model(
+    src: Any,
+    *,
+    model: str,
+    src_fmt: str,
+    tgt_fmt: str,
+    config: str | Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Plan:
+    """Dry run: the plan of a model conversion (matched, unmatched and dropped keys, the converted
+    config, warnings) from metadata only. Unmatched keys are listed, not raised."""
+    source, opened = _open(src, model, src_fmt)
+    try:
+        doc, _ = _config_for(source, config, src_fmt)
+        plan, _ = build_plan(source, doc, _request(model, src_fmt, tgt_fmt, options), strict=False)
+        return plan
+    finally:
+        if opened:
+            source.close()
+
+
+def convert_model(
+    src: str,
+    dst: str | None = None,
+    *,
+    model: str,
+    src_fmt: str,
+    tgt_fmt: str,
+    config: str | Mapping[str, Any] | None = None,
+    drop_unmatched_keys: bool = False,
+    export_safetensors: bool = False,
+    hf_shard_size: int | str | None = DEFAULT_HF_SHARD_SIZE,
+    fold_lora: bool = False,
+    fold_mup: bool = True,
+    verify: bool = True,
+    progress: Callable[..., None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    job_id: str | None = None,
+    staging: str | None = None,
+) -> Any:
+    """Convert a checkpoint between model layouts; ``dst`` is the output directory (default:
+    beside the input). Returns the engine's ConvertResult (outputs, manifest, warnings)."""
+    from ckptconv.engine.run import run_plan
+
+    source, _ = _open(src, model, src_fmt)
+    try:
+        doc, cfg_uri = _config_for(source, config, src_fmt)
+        req = _request(
+            model,
+            src_fmt,
+            tgt_fmt,
+            {"drop_unmatched_keys": drop_unmatched_keys, "fold_lora": fold_lora, "fold_mup": fold_mup},
+        )
+        plan, conf = build_plan(source, doc, req)
+        tgt_node = plan.extras["target_format"]
+        target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
+        components = plan.extras.get("components")
+        if tgt_node == "hf":
+            to = "safetensors" if export_safetensors else "torch"
+            # The Model Zoo always writes shard names and an index, even for one shard.
+            sink_options: dict[str, Any] = {"shard_size": hf_shard_size, "always_sharded": True}
+            config_bytes = dump_hf_json(conf.target)
+        else:
+            to = "cs-h5"
+            sink_options = {"cstorch_version": f"{upgrades.release_of(tgt_node)}.0"}
+            config_bytes = dump_cs_yaml(conf.target)
+            if export_safetensors:
+                plan.warnings.append("--export-safetensors applies to Hugging Face outputs only; ignored")
+        extras = {k: v for k, v in plan.extras.items() if k not in ("config_ignored_keys", "components")}
+        extra_files = {cfg_rel: config_bytes}
+        sink_factory: Callable[..., Any] | None = None
+        reopen: Callable[..., Any] | None = None
+        if components:  # several model directories in one output (DPR's encoders, LLaVA's parts)
+            from ckptconv.formats.components import ComponentSink, ComponentSource
+
+            extra_files = COMPOSITES[model].hf_config_files(plan, posixpath.dirname(cfg_rel), target)
+            sink_factory = functools.partial(ComponentSink, fmt=to, routes=components)
+            reopen = functools.partial(ComponentSource, names=[name for name, _ in components])
+        result = run_plan(
+            plan,
+            source,
+            to=to,
+            target=target,
+            sink_options=sink_options,
+            extra_files=extra_files,
+            sink_factory=sink_factory,
+            reopen=reopen,
+            staging=staging,
+            progress=progress,
+            cancelled=cancelled,
+            job_id=job_id,
+            verify=verify,
+            extras={"model_conversion": extras},
+        )
+        for w in plan.warnings:
+            if w not in result.warnings:
+                result.warnings.append(w)
+        return result
+    finally:
+        source.close()
+
+
+# --- configs --------------------------------------------------------------------------------
+
+
+def convert_config_dict(doc: Mapping[str, Any], *, model: str, src_fmt: str, tgt_fmt: str) -> ConfigResult:
+    """Convert a config document in memory (no checkpoint involved)."""
+    if model == dpo.MODEL_NAME:
+        return dpo.convert_dpo_config(doc, src_fmt=src_fmt, tgt_fmt=tgt_fmt)
+    if model in COMPOSITES:
+        parts = " and ".join(f"{c}/config.json" for c in COMPOSITES[model].COMPONENTS)
+        raise NoConversionPath(
+            f"a {model} config is {parts} on the Hugging Face side; convert-config takes one file",
+            hint="run convert-model --dry-run on the checkpoint: it shows the converted config(s)",
+        )
+    fam, var = resolve(model)
+    src = upgrades.parse_format(src_fmt, side="source")
+    if src == "cs-auto":
+        raise InvalidRequest("cs-auto needs a checkpoint to read the release from; name the release (cs-X.Y)")
+    tgt = upgrades.parse_format(tgt_fmt, side="target")
+    path = upgrades.find_path(fam, src, tgt)
+    if len(path) == 1:
+        return ConfigResult(dict(doc), {}, {}, [], [])
+    return convert_config_doc(fam, var, doc, path)
+
+
+def convert_config(
+    config: str | Mapping[str, Any],
+    *,
+    model: str,
+    src_fmt: str,
+    tgt_fmt: str,
+    output_dir: str | None = None,
+    write: bool = True,
+) -> dict[str, Any]:
+    """Convert a config file; writes ``<name>_to_<tgt>.json|yaml`` (one extension stripped, as the
+    Model Zoo's convert-config does) unless ``write`` is false. Returns ``{config, path, warnings}``."""
+    doc, uri = load_config(config)
+    assert doc is not None
+    result = convert_config_dict(doc, model=model, src_fmt=src_fmt, tgt_fmt=tgt_fmt)
+    tgt = parse_model_format(tgt_fmt, side="target")
+    out: dict[str, Any] = {"config": result.target, "warnings": result.warnings, "path": None}
+    if result.ignored:
+        out["ignored_keys"] = result.ignored
+    if not write or uri is None:
+        return out
+    from ckptconv.storage import open_storage
+
+    storage = open_storage(uri)
+    name = posixpath.basename(uri)
+    stem = name.rsplit(".", 1)[0] if "." in name else name
+    ext = "json" if tgt == "hf" else "yaml"
+    directory = output_dir or posixpath.dirname(uri) or "."
+    path = storage.join(directory.rstrip("/"), f"{stem}_to_{tgt}.{ext}")
+    data = dump_hf_json(result.target) if tgt == "hf" else dump_cs_yaml(result.target)
+    storage.write_bytes(path, data)  # refuses to overwrite
+    out["path"] = path
+    return out

@@ -1,0 +1,380 @@
+"""Running a plan: stage, execute, verify, publish with the manifest last.
+
+The flow of one conversion (DESIGN.md):
+
+1. open the source (metadata only) and build a plan (``ckptconv.engine.plan``);
+2. execute it into a sink that writes under a **staging** prefix beside the target
+   (``<parent>/.ckptconv-staging/<id>/``), hashing every value on the way;
+3. commit the sink (into staging), reopen what it wrote and compare every entry (``verify_output``);
+   compute each file's sha256 meanwhile; write ``manifest.json`` into staging;
+4. publish: move every file to the target (rename locally, server-side copy on S3), the manifest
+   last, then delete the staging prefix.
+
+A failure or cancellation before step 4 deletes the staging prefix: nothing ever appears at the
+target. A redelivered job (same ``job_id``) is idempotent: a published manifest with that id is
+returned as is; a staged, verified output whose publication was interrupted is published again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import posixpath
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptconv import __version__
+from ckptconv.core.errors import (
+    InvalidRequest,
+    ObjectNotFound,
+    TargetExists,
+    VerificationFailed,
+)
+from ckptconv.core.uri import normalize_uri
+from ckptconv.engine.execute import (
+    CancelFn,
+    Progress,
+    ProgressFn,
+    ProgressReporter,
+    execute,
+    verify_output,
+)
+from ckptconv.engine.plan import Plan
+from ckptconv.formats import sink_class, source_class
+from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
+from ckptconv.formats.detect import check_format
+from ckptconv.storage import open_storage
+from ckptconv.storage.base import Storage
+
+__all__ = ["ConvertResult", "Progress", "discard_staging", "run_plan"]
+
+STAGING_DIR = ".ckptconv-staging"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_SUFFIX = ".manifest.json"
+
+
+@dataclass
+class ConvertResult:
+    target: str
+    format: str
+    outputs: list[OutputFile]
+    manifest: str
+    job_id: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    verify: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    tensors: int = 0
+    bytes: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "format": self.format,
+            "job_id": self.job_id,
+            "outputs": [{"uri": o.uri, "size": o.size, "sha256": o.sha256, "role": o.role} for o in self.outputs],
+            "manifest": self.manifest,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "warnings": list(self.warnings),
+            "verify": dict(self.verify),
+            "timings": dict(self.timings),
+            "source": dict(self.source),
+            **({"extras": self.extras} if self.extras else {}),
+        }
+
+    @classmethod
+    def from_manifest(cls, manifest_uri: str, doc: dict[str, Any]) -> ConvertResult:
+        return cls(
+            target=doc["target"]["uri"],
+            format=doc["target"]["format"],
+            outputs=[OutputFile(f["uri"], f["size"], f.get("sha256"), f.get("role", "data")) for f in doc["files"]],
+            manifest=manifest_uri,
+            job_id=doc.get("job_id"),
+            warnings=doc.get("warnings", []),
+            verify=doc.get("verify", {}),
+            timings=doc.get("timings", {}),
+            source=doc.get("source", {}),
+            tensors=doc.get("tensors", 0),
+            bytes=doc.get("bytes", 0),
+            extras=doc.get("extras", {}),
+        )
+
+
+def source_facts(src: TensorSource) -> dict[str, Any]:
+    """Provenance for the manifest: the source's files with sizes and ETags."""
+    files = src.files()
+    out = []
+    for uri in files:
+        try:
+            info = src.storage.stat(uri)
+            out.append({"uri": uri, "size": info.size, "etag": info.etag})
+        except ObjectNotFound:
+            out.append({"uri": uri})
+    return {"uri": src.uri, "format": src.format, "files": out, "info": jsonable(src.info)}
+
+
+def jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+# --- target layout ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a conversion writes: staging, the sink's URI inside it, and the final parent."""
+
+    storage: Storage
+    target: str  # final URI of the checkpoint (a file, a directory/prefix, or a TF prefix)
+    parent: str  # the target's parent; outputs keep their path relative to it
+    staging: str  # staging prefix (no trailing slash)
+
+    @property
+    def sink_uri(self) -> str:
+        return self.staging + "/" + basename(self.target)
+
+    def final(self, staged_uri: str) -> str:
+        rel = staged_uri[len(self.staging) + 1 :]
+        return self.storage.join(self.parent, rel)
+
+    def manifest_candidates(self) -> list[str]:
+        return [self.target + "/" + MANIFEST_NAME, self.target + MANIFEST_SUFFIX]
+
+
+def basename(uri: str) -> str:
+    return posixpath.basename(uri.rstrip("/"))
+
+
+def _parent(uri: str) -> str:
+    uri = uri.rstrip("/")
+    if uri.startswith("s3://"):
+        bucket_and_key = uri[len("s3://") :]
+        if "/" not in bucket_and_key:
+            raise InvalidRequest(f"{uri} names a bucket, not an object", hint="use s3://bucket/some/key")
+        return "s3://" + bucket_and_key.rsplit("/", 1)[0]
+    return os.path.dirname(uri)
+
+
+def _layout(storage: Storage, target: str, staging: str | None, job_id: str | None) -> _Layout:
+    target = target.rstrip("/")
+    parent = _parent(target)
+    if staging is None:
+        staging = storage.join(parent, STAGING_DIR, job_id or uuid.uuid4().hex)
+    return _Layout(storage, target, parent, staging.rstrip("/"))
+
+
+def _target_exists(storage: Storage, target: str, fmt: str) -> bool:
+    if storage.exists(target) or any(True for _ in storage.list(target + "/")):
+        return True
+    # A TF bundle is named by its prefix: its files are <target>.index and <target>.data-*.
+    return fmt == "tf" and storage.exists(target + ".index")
+
+
+def _discard(layout: _Layout) -> None:
+    """Delete the staging prefix and, locally, the staging directories it leaves empty."""
+    layout.storage.delete_prefix(layout.staging + "/")
+    local = layout.storage.local_path(layout.staging)
+    if local is not None:
+        for d in (local, local.parent):
+            try:
+                d.rmdir()
+            except OSError:  # absent, or still used by another job: keep it
+                pass
+
+
+def discard_staging(target: str, job_id: str, staging: str | None = None) -> None:
+    """Remove what a job (e.g. one whose worker died) left in its staging area; idempotent."""
+    target = normalize_uri(target)
+    _discard(_layout(open_storage(target), target, staging, job_id))
+
+
+def _read_json(storage: Storage, uri: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(storage.read_all(uri))
+    except ObjectNotFound:
+        return None
+
+
+# --- running a plan --------------------------------------------------------------------------
+
+
+def run_plan(
+    plan: Plan,
+    src: TensorSource,
+    *,
+    to: str,
+    target: str,
+    sink_options: dict[str, Any] | None = None,
+    extra_files: dict[str, bytes] | None = None,
+    staging: str | None = None,
+    progress: ProgressFn | None = None,
+    cancelled: CancelFn | None = None,
+    job_id: str | None = None,
+    verify: bool = True,
+    extras: dict[str, Any] | None = None,
+    sink_factory: Callable[..., TensorSink] | None = None,
+    reopen: Callable[[Storage, str], TensorSource] | None = None,
+) -> ConvertResult:
+    """Execute ``plan`` from ``src`` into format ``to`` at ``target``; verify; publish atomically.
+
+    ``extra_files`` maps paths relative to the target's parent (e.g. ``config_to_cs-2.9.yaml`` or
+    ``x_to_hf/config.json``) to their bytes; they are staged and published with the checkpoint.
+    ``sink_factory`` (called as the format's sink class is, with ``sink_options``) and ``reopen``
+    (``(storage, uri)``) replace the format's sink and source for outputs the format alone does
+    not describe (a checkpoint split into component directories).
+    """
+    check_format(to)
+    target = normalize_uri(target)
+    storage = open_storage(target)
+    layout = _layout(storage, target, staging, job_id)
+    reporter = ProgressReporter(progress)
+    timings: dict[str, float] = {}
+
+    done = _resume(layout, job_id)
+    if done is not None:
+        return done
+    if _target_exists(storage, layout.target, to):
+        raise TargetExists(f"{layout.target} already exists")
+
+    # A previous attempt of this job may have left a partial staging area: start clean.
+    _discard(layout)
+    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
+    sink = (sink_factory or sink_class(to))(storage, layout.sink_uri, **options)
+    t0 = time.monotonic()
+    try:
+        digests = execute(plan, src, sink, reporter=reporter, cancelled=cancelled)
+        outputs = list(sink.commit())
+    except BaseException:
+        _abort(sink, storage, layout)
+        raise
+    timings["convert_s"] = round(time.monotonic() - t0, 3)
+
+    try:
+        for rel, data in (extra_files or {}).items():
+            uri = storage.join(layout.staging, rel)
+            info = storage.write_bytes(uri, data)
+            outputs.append(OutputFile(uri, info.size, hashlib.sha256(data).hexdigest(), "config"))
+        t1 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptconv-sha256") as pool:
+            # File checksums read the staged files while verification re-reads the tensors.
+            hashed = pool.submit(_fill_sha256, storage, outputs)
+            report = None
+            if verify:
+                reopened = (reopen or source_class(to))(storage, layout.sink_uri)
+                try:
+                    report = verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)
+                finally:
+                    reopened.close()
+            outputs = hashed.result()
+        timings["verify_s"] = round(time.monotonic() - t1, 3)
+        if report is not None and not report.ok:
+            raise VerificationFailed(
+                f"{len(report.mismatches)} entries of the output differ from the source: "
+                + "; ".join(report.mismatches[:5]),
+                mismatches=report.mismatches[:50],
+            )
+        manifest_uri = _manifest_uri(layout, outputs)
+        staged_manifest = storage.join(layout.staging, manifest_uri[len(layout.parent) + 1 :])
+        doc = {
+            "ckptconv_version": __version__,
+            "job_id": job_id,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": source_facts(src),
+            "target": {"uri": layout.target, "format": to},
+            "files": [
+                {
+                    "uri": layout.final(o.uri),
+                    "path": o.uri[len(layout.staging) + 1 :],
+                    "size": o.size,
+                    "sha256": o.sha256,
+                    "role": o.role,
+                }
+                for o in outputs
+            ],
+            "tensors": plan.tensors_total,
+            "bytes": plan.bytes_total,
+            "verify": report.to_dict() if report else {"ok": None, "skipped": True},
+            "warnings": list(plan.warnings),
+            "timings": timings,
+            **({"extras": jsonable(extras)} if extras else {}),
+        }
+        storage.write_bytes(staged_manifest, json.dumps(doc, indent=2).encode())
+    except BaseException:
+        _discard(layout)
+        raise
+    result = _publish(layout, job_id)
+    result.timings["publish_s"] = round(time.monotonic() - t0 - sum(timings.values()), 3)
+    reporter.stage("done", plan.tensors_total, plan.bytes_total)
+    return result
+
+
+def _abort(sink: Any, storage: Storage, layout: _Layout) -> None:
+    try:
+        sink.abort()
+    finally:
+        _discard(layout)
+
+
+def _manifest_uri(layout: _Layout, outputs: list[OutputFile]) -> str:
+    inside = all(o.uri.startswith(layout.sink_uri + "/") for o in outputs)
+    return layout.manifest_candidates()[0 if inside else 1]
+
+
+def _fill_sha256(storage: Storage, outputs: list[OutputFile]) -> list[OutputFile]:
+    done = []
+    for o in outputs:
+        if o.sha256 is None:
+            o = OutputFile(o.uri, o.size, storage.sha256(o.uri), o.role)
+        done.append(o)
+    return done
+
+
+def _resume(layout: _Layout, job_id: str | None) -> ConvertResult | None:
+    """Idempotent redelivery: the finished result, or the publication of a staged one."""
+    if job_id is None:
+        return None
+    storage = layout.storage
+    for uri in layout.manifest_candidates():
+        doc = _read_json(storage, uri)
+        if doc is not None and doc.get("job_id") == job_id:
+            return ConvertResult.from_manifest(uri, doc)
+    for uri in layout.manifest_candidates():
+        staged = storage.join(layout.staging, uri[len(layout.parent) + 1 :])
+        if storage.exists(staged):
+            return _publish(layout, job_id)
+    return None
+
+
+def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
+    """Move staged files to the target, the manifest last. Safe to run again after a crash."""
+    storage = layout.storage
+    staged_manifest = None
+    doc = None
+    for uri in layout.manifest_candidates():
+        candidate = storage.join(layout.staging, uri[len(layout.parent) + 1 :])
+        doc = _read_json(storage, candidate)
+        if doc is not None:
+            staged_manifest = (candidate, uri)
+            break
+    if doc is None or staged_manifest is None:
+        raise VerificationFailed("the staged output has no manifest; nothing was published")
+    pairs = []
+    for f in doc["files"]:
+        staged = storage.join(layout.staging, f["path"])
+        if storage.exists(staged):
+            pairs.append((staged, f["uri"]))
+        elif not storage.exists(f["uri"]):
+            raise VerificationFailed(f"staged file {f['path']} vanished before publication")
+    # overwrite=True only matters after a crash mid-publication: the target file is then our own.
+    resumed = job_id is not None and any(storage.exists(dst) for _, dst in pairs)
+    storage.publish(pairs, overwrite=resumed)
+    storage.publish([staged_manifest], overwrite=False)
+    _discard(layout)
+    return ConvertResult.from_manifest(staged_manifest[1], doc)

@@ -1,0 +1,224 @@
+"""The reader/writer protocol every checkpoint format implements.
+
+A checkpoint is an ordered list of :class:`Entry` (one per flat key) plus an optional
+:class:`~ckptconv.formats.tree.TreeSpec` saying how the flat keys nest. Every conversion is
+``source -> entries -> sink``; there are no pairwise converters.
+
+Call order and guarantees:
+
+- ``TensorSource``: ``entries()`` and ``spec`` come from metadata only (headers, indexes, H5
+  attributes) and never read tensor data. ``read(key)`` materializes exactly one value; the caller
+  drops it before asking for the next, so memory is bounded by the largest tensor. ``read`` may be
+  called in any order, and more than once. Sources are not thread-safe unless they say so.
+- ``TensorSink``: ``begin(entries, spec)`` announces everything before any data (a safetensors
+  header is computed from it), then ``write(key, value)`` is called once per non-link entry in the
+  announced order, then ``commit()`` publishes atomically and returns the files written, or
+  ``abort()`` leaves nothing at the target. Nothing is visible at the target before ``commit``.
+
+Values in flight:
+
+- ``tensor`` and ``array`` entries travel as CPU ``torch.Tensor`` (``array`` marks a value that was
+  a numpy array in its source, which Cerebras H5 keeps distinct);
+- ``value`` entries are plain Python scalars, strings or None, known from metadata
+  (``Entry.value``);
+- ``object`` entries are :class:`OpaqueObject` (bytes a source could not or would not decode);
+- ``link`` entries alias ``Entry.target`` (tied weights); sinks that cannot link write a copy.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from ckptconv.core.errors import UnsupportedDtype
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptconv.formats.tree import TreeSpec
+    from ckptconv.storage.base import Storage
+
+EntryKind = Literal["tensor", "array", "value", "object", "link"]
+
+# dtype names used across ckptconv: torch's names without the "torch." prefix.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise UnsupportedDtype(f"unknown dtype {dtype!r}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise UnsupportedDtype(f"unknown dtype {name!r}")
+    return dt
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One flat key of a checkpoint, described without reading its data."""
+
+    key: str
+    kind: EntryKind = "tensor"
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    value: Any = None  # for kind "value": the Python value itself
+    target: str | None = None  # for kind "link": the key this one aliases
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)  # format-specific extras
+
+    @property
+    def is_data(self) -> bool:
+        """True when the entry has bytes to move (tensor, array, object)."""
+        return self.kind in ("tensor", "array", "object")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind in ("tensor", "array") and self.dtype is not None and self.shape is not None:
+            return self.numel * dtype_size(self.dtype)
+        if self.kind == "object":
+            return int(self.meta.get("nbytes", 0))
+        return 0
+
+    def with_dtype(self, dtype: str) -> Entry:
+        return replace(self, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class OpaqueObject:
+    """A payload kept as bytes (e.g. a dill pickle inside a Cerebras H5 file).
+
+    ``value`` holds the decoded object when it consisted only of plain data types; otherwise it is
+    None and only the bytes travel, unchanged and never executed.
+    """
+
+    payload: bytes
+    encoding: str = "dill"
+    value: Any = None
+    decoded: bool = False
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    uri: str
+    size: int
+    sha256: str | None = None
+    role: str = "data"  # data | index | config | manifest
+
+
+class TensorSource(abc.ABC):
+    """Reads one checkpoint, one value at a time. See the module docstring for the contract."""
+
+    format: str = ""
+
+    def __init__(self, storage: Storage, uri: str) -> None:
+        self.storage = storage
+        self.uri = uri
+
+    @abc.abstractmethod
+    def entries(self) -> list[Entry]:
+        """Every flat key in checkpoint order, from metadata only."""
+
+    @property
+    def spec(self) -> TreeSpec | None:
+        """How the flat keys nest; None means a flat dict in ``entries()`` order."""
+        return None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Format-level facts for `inspect` (e.g. Cerebras release, H5 format version)."""
+        return {}
+
+    @abc.abstractmethod
+    def read(self, key: str) -> Any:
+        """Materialize one value (see the module docstring for value types)."""
+
+    def files(self) -> list[str]:
+        """URIs of every file this checkpoint consists of (shards, index), for provenance."""
+        return [self.uri]
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def __enter__(self) -> TensorSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorSink(abc.ABC):
+    """Writes one checkpoint, one value at a time. See the module docstring for the contract."""
+
+    format: str = ""
+    supports_links: bool = False
+    supports_objects: bool = True
+    supported_dtypes: frozenset[str] | None = None  # None: every dtype in DTYPE_SIZES
+
+    def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
+        self.storage = storage
+        self.uri = uri
+        self.options = options
+
+    @classmethod
+    def check(cls, entries: Iterable[Entry]) -> None:
+        """Refuse, before any data moves (and in dry runs), entries this format cannot hold.
+
+        A classmethod so plans can be checked without creating a sink; formats with more rules
+        override it (as a classmethod) and call ``super().check(entries)``.
+        """
+        if cls.supported_dtypes is None:
+            return
+        for e in entries:
+            if e.kind in ("tensor", "array") and e.dtype not in cls.supported_dtypes:
+                raise UnsupportedDtype(
+                    f"{cls.format} cannot store {e.key!r} of dtype {e.dtype}",
+                    key=e.key,
+                    dtype=e.dtype,
+                )
+
+    @abc.abstractmethod
+    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None: ...
+
+    @abc.abstractmethod
+    def write(self, key: str, value: Any) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self) -> list[OutputFile]: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...

@@ -1,0 +1,218 @@
+"""Opening Cerebras H5 files and reading their numeric datasets into tensors (all format versions).
+
+Files open through h5py directly when the storage has a local path, otherwise through the
+storage's seekable reader. Data of LZ4-chunked datasets bypasses HDF5 (see
+:mod:`ckptconv.formats.cs_h5_chunks`); everything else goes through h5py. HDF5 errors on damaged
+files surface as :class:`~ckptconv.core.errors.CorruptCheckpoint`.
+
+Known limit: on some deliberately damaged object headers the HDF5 library itself loops forever
+(found by fuzzing a fixture with zeroed byte runs). Nothing in Python can interrupt it; jobs are
+bounded by their time limit, which ends the worker process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import h5py
+import hdf5plugin  # noqa: F401 - registers the LZ4 filter (32004) for h5py's own reads
+import numpy as np
+
+from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
+from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, stored_chunks
+from ckptconv.formats.cs_serializers import stored_numpy_dtype
+from ckptconv.formats.memory import empty_tensor
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptconv.storage.base import Storage
+
+
+# What h5py raises when a file's structures are damaged (besides hanging, which HDF5 does on some
+# malformed object headers: see the module docstring).
+H5_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError)
+
+
+@contextlib.contextmanager
+def damaged_as_corrupt(uri: str) -> Iterator[None]:
+    """Turn h5py's exceptions on a damaged file into CorruptCheckpoint (ours pass through)."""
+    try:
+        yield
+    except CkptconvError:
+        raise
+    except H5_ERRORS as e:
+        raise CorruptCheckpoint(f"{uri}: the HDF5 structure is damaged ({type(e).__name__}: {e})") from None
+
+
+class H5File:
+    """One open H5 checkpoint plus the means to read its chunks without HDF5."""
+
+    def __init__(self, storage: Storage, uri: str, *, threads: int = 2) -> None:
+        self.uri = uri
+        self._fd: int | None = None
+        self._reader: Any = None
+        info = storage.stat(uri)  # ObjectNotFound when absent
+        self.size = info.size
+        path = storage.local_path(uri)
+        try:
+            if path is not None:
+                self.file = h5py.File(path, "r")
+                self._fd = os.open(path, os.O_RDONLY)
+                self.size = os.fstat(self._fd).st_size
+                if hasattr(os, "posix_fadvise"):  # tensors are read front to back: a larger read-ahead
+                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self.chunks = ChunkReader(file_size=self.size, pread_fd=self._fd, threads=threads)
+            else:
+                self._reader = storage.open_reader(uri)
+                self.file = h5py.File(self._reader, "r")
+                self.chunks = ChunkReader(
+                    file_size=self.size,
+                    read_bytes=lambda off, n: storage.read_range(uri, off, n),
+                    threads=threads,
+                )
+        except (OSError, RuntimeError) as e:
+            self.close()
+            raise CorruptCheckpoint(
+                f"{uri} is not a readable HDF5 file (truncated or damaged?): {e}",
+            ) from None
+
+    def close(self) -> None:
+        f = getattr(self, "file", None)
+        if f is not None:
+            try:
+                f.close()
+            except Exception:
+                pass
+            self.file = None
+        ch = getattr(self, "chunks", None)
+        if ch is not None:
+            ch.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    # --- attributes -----------------------------------------------------------------------------
+
+    def root_attr(self, name: str, default: Any = None) -> Any:
+        return self.attr(self.file, name, default)
+
+    def attr(self, obj: Any, name: str, default: Any = None) -> Any:
+        try:
+            if name not in obj.attrs:
+                return default
+            return obj.attrs[name]
+        except H5_ERRORS as e:
+            raise CorruptCheckpoint(f"{self.uri}: attribute {name!r} is unreadable: {e}") from None
+
+    def dataset(self, name: str, key: str) -> h5py.Dataset:
+        """The dataset ``name``; refuses anything that would read bytes outside this file."""
+        try:
+            link = self.file.get(name, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                raise UnsafeCheckpoint(
+                    f"{key!r}: {name!r} is an HDF5 external link to {link.filename!r}; ckptconv does not follow it",
+                    hint="checkpoints must hold their own data; copy the linked data into the file first",
+                )
+            obj = self.file.get(name)
+        except H5_ERRORS as e:
+            raise CorruptCheckpoint(f"{key!r}: dataset {name!r} is unreadable: {e}") from None
+        if obj is None:
+            raise CorruptCheckpoint(f"{key!r}: its dataset {name!r} is missing from the file")
+        if not isinstance(obj, h5py.Dataset):
+            raise CorruptCheckpoint(f"{key!r}: {name!r} is a group, not a dataset")
+        if obj.external or obj.is_virtual:
+            raise UnsafeCheckpoint(
+                f"{key!r}: dataset {name!r} keeps its data in other files; ckptconv does not read them",
+                hint="checkpoints must hold their own data; rewrite the dataset without external storage",
+            )
+        return obj
+
+    # --- data -----------------------------------------------------------------------------------
+
+    def read_tensor(self, ds: h5py.Dataset, key: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The dataset as a CPU tensor of ``dtype``: bf16 from its int16 bits, other types value-cast (§1.7)."""
+        import torch
+
+        if ds.shape is None:
+            raise CorruptCheckpoint(f"{key!r}: dataset holds no array (empty dataspace)")
+        if tuple(ds.shape) != tuple(shape):
+            raise CorruptCheckpoint(
+                f"{key!r}: dataset shape {tuple(ds.shape)} disagrees with its metadata shape {tuple(shape)}"
+            )
+        on_disk = ds.dtype
+        if on_disk.kind not in "biufc":
+            raise CorruptCheckpoint(f"{key!r}: dataset has non-numeric type {on_disk} for a {dtype} tensor")
+        want = np.dtype(stored_numpy_dtype(dtype))
+        bits_ok = on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))
+        if bits_ok and on_disk.byteorder in "=<|":
+            t = empty_tensor(shape, dtype)
+            if t.numel():
+                src = t.view(torch.int16) if dtype == "bfloat16" else t
+                dest = src.numpy().view(on_disk)
+                self._read_into(ds, dest, key)
+                if dtype == "bool" and dest.view(np.uint8).max() > 1:
+                    raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
+            return t
+        # Castable on-disk type (e.g. float64 values for a float32 tensor): numpy value cast, as cstorch does.
+        from ckptconv.formats.cs_base import cast_array
+
+        return cast_array(self._read_array(ds, key), dtype)
+
+    def read_array(self, ds: h5py.Dataset, key: str) -> np.ndarray:
+        """The dataset in its own on-disk type (little-endian native)."""
+        on_disk = ds.dtype
+        if ds.shape is None:
+            raise CorruptCheckpoint(f"{key!r}: dataset holds no array (empty dataspace)")
+        if on_disk.byteorder in "=<|" and on_disk.kind in "biufc":
+            dest = np.empty(ds.shape, dtype=on_disk)
+            if dest.size:
+                self._read_into(ds, dest, key)
+            return dest
+        return self._read_array(ds, key)
+
+    def _read_array(self, ds: h5py.Dataset, key: str) -> np.ndarray:
+        try:
+            arr = ds[()]
+        except H5_ERRORS as e:
+            raise CorruptCheckpoint(f"{key!r}: dataset is unreadable: {e}") from None
+        arr = np.asarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        return arr
+
+    def _read_into(self, ds: h5py.Dataset, dest: np.ndarray, key: str) -> None:
+        try:
+            dcpl = ds.id.get_create_plist()
+            filters = [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
+            if ds.chunks is not None and filters == [LZ4_FILTER_ID]:
+                chunks = tuple(ds.chunks)
+                stored = stored_chunks(ds.id)
+                expected = math.prod(math.ceil(s / c) for s, c in zip(ds.shape, chunks, strict=True))
+                if len(stored) == expected:
+                    self.chunks.read(ds.id, dest, chunks, f"{key!r}", stored)
+                    return
+            if filters and any(not h5py.h5z.filter_avail(f) for f in filters):
+                raise UnsupportedFormat(f"{key!r}: dataset uses HDF5 filters {filters} that are not available")
+            ds.read_direct(dest)
+        except H5_ERRORS as e:
+            raise CorruptCheckpoint(f"{key!r}: dataset is unreadable: {e}") from None
+
+    def read_opaque(self, obj: Any, name: str, key: str) -> bytes:
+        """The raw bytes of an opaque attribute (``__BYTES__``), shape (N,) or scalar."""
+        value = self.attr(obj, name)
+        if value is None:
+            raise CorruptCheckpoint(f"{key!r}: object dataset has no {name} attribute")
+        if isinstance(value, bytes):
+            return value
+        arr = np.asarray(value)
+        if arr.dtype.kind != "V":
+            raise CorruptCheckpoint(f"{key!r}: {name} is not an opaque byte string")
+        return arr.tobytes()

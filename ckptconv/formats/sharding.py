@@ -1,0 +1,602 @@
+"""What the Hugging Face style formats (safetensors, PyTorch pickles) share.
+
+- sizes: ``parse_size("5GB")`` (decimal units GB/MB/KB, binary GiB/MiB/KiB, or plain bytes);
+- splitting: :func:`split_by_size` groups an ordered list into shards the way ``transformers``
+  does (a new shard starts when the next item would exceed the limit; an item larger than the
+  limit sits alone), keeping the input order so a sink only ever has one shard open;
+- names: ``model-00001-of-00003.safetensors`` / ``pytorch_model-00001-of-00003.bin``;
+- index files: ``{"metadata": {"total_size": B, ...}, "weight_map": {key: file}}``. Shard names
+  read from an index are untrusted: they are joined under the index's directory only through
+  ``Storage.join``, which refuses ``..``, absolute names and the like (PathEscape);
+- the output side both sinks share: where the files go (:func:`sink_files`) and a set of streaming
+  writers that hash what they write, commit each file once complete, and abort as a whole
+  (:class:`OutputSet`);
+- raw tensor bytes: a tensor's bytes as a buffer, and a byte range read straight into a tensor;
+- the ``ckptconv`` record: what those formats cannot say themselves (nesting, values, links,
+  arrays, opaque objects), kept as JSON beside the tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound, UnsupportedFormat
+from ckptconv.formats.base import Entry, OutputFile, TensorSink
+from ckptconv.formats.tree import TreeSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptconv.storage.base import Storage, Writer
+
+T = TypeVar("T")
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
+
+# Index files are JSON that is parsed whole; real ones are a few MB even for 100k tensors.
+MAX_INDEX_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ShardNaming:
+    """How one format names its files."""
+
+    stem: str  # "model" / "pytorch_model"
+    ext: str  # "safetensors" / "bin"
+
+    @property
+    def single(self) -> str:
+        return f"{self.stem}.{self.ext}"
+
+    @property
+    def index(self) -> str:
+        return f"{self.stem}.{self.ext}.index.json"
+
+    def shard(self, i: int, n: int) -> str:
+        """Name of shard ``i`` (1-based) of ``n``."""
+        return f"{self.stem}-{i:05d}-of-{n:05d}.{self.ext}"
+
+    def names(self, n: int, *, always_sharded: bool = False) -> list[str]:
+        """File names for ``n`` shards: one plain file when ``n == 1`` (as ``save_pretrained`` does),
+        unless ``always_sharded`` (``-00001-of-00001`` plus an index, as the Model Zoo writes)."""
+        if n == 1 and not always_sharded:
+            return [self.single]
+        return [self.shard(i, n) for i in range(1, n + 1)]
+
+
+SAFETENSORS = ShardNaming("model", "safetensors")
+TORCH = ShardNaming("pytorch_model", "bin")
+NAMING = {"safetensors": SAFETENSORS, "torch": TORCH}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB`` (10^9), ``5GiB`` (2^30), ``500MiB``, ``"1024"`` or an int. Must be > 0."""
+    if isinstance(size, bool):
+        raise InvalidRequest(f"invalid size {size!r}")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, str):
+        m = _SIZE.fullmatch(size)
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise InvalidRequest(
+                f"invalid size {size!r}",
+                hint="write a size as bytes or with a unit: 5GB, 500MB, 2GiB, 512MiB, 64KiB",
+            )
+        value = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise InvalidRequest(f"invalid size {size!r}")
+    if value <= 0:
+        raise InvalidRequest(f"size must be positive, got {size!r}")
+    return value
+
+
+def split_by_size(items: Iterable[T], size: Callable[[T], int], limit: int | None) -> list[list[T]]:
+    """Split ``items`` (in order) into shards of at most ``limit`` bytes each.
+
+    A new shard starts when adding the next item would exceed ``limit``; an item larger than
+    ``limit`` gets a shard of its own. ``limit=None`` puts everything in one shard. Always returns
+    at least one (possibly empty) shard. Unlike ``huggingface_hub``, which sets an oversized item
+    aside and keeps filling the current shard, the order is kept, so shards can be written one
+    after another.
+    """
+    shards: list[list[T]] = [[]]
+    current = 0
+    for item in items:
+        n = size(item)
+        if limit is not None and shards[-1] and current + n > limit:
+            shards.append([])
+            current = 0
+        shards[-1].append(item)
+        current += n
+    return shards
+
+
+def tie_groups(entries: Iterable[Entry]) -> list[list[Entry]]:
+    """Data entries in order, each followed by the links that alias it (they share its shard).
+
+    Values, and links to values or to nothing, have no bytes to place and are left out.
+    """
+    entries = list(entries)
+    by_key = {e.key: e for e in entries}
+    groups: dict[str, list[Entry]] = {}
+    order: list[list[Entry]] = []
+    for e in entries:
+        if e.is_data:
+            groups[e.key] = [e]
+            order.append(groups[e.key])
+    for e in entries:
+        if e.kind != "link":
+            continue
+        root = resolve_link(e.key, by_key)
+        if root is not None and root in groups:
+            groups[root].append(e)
+    return order
+
+
+def resolve_link(key: str, by_key: Mapping[str, Entry]) -> str | None:
+    """The key a link finally aliases (following chains), or None when it points nowhere."""
+    seen = {key}
+    e = by_key.get(key)
+    while e is not None and e.kind == "link":
+        if e.target is None or e.target in seen:
+            return None
+        seen.add(e.target)
+        key = e.target
+        e = by_key.get(key)
+    return key if e is not None else None
+
+
+def plan_shards(
+    entries: list[Entry], limit: int | None, fmt: str, *, always_sharded: bool = False
+) -> list[tuple[str, list[str], int]]:
+    """``[(file name, keys, bytes), ...]`` for writing ``entries`` in format ``fmt``.
+
+    Links ride with their target; in safetensors (no aliasing) they cost a full copy, in torch
+    pickles they share the target's storage and cost nothing.
+    """
+    copies_links = fmt == "safetensors"
+    naming = NAMING[fmt]
+
+    def group_size(group: list[Entry]) -> int:
+        n = group[0].nbytes
+        return n * len(group) if copies_links else n
+
+    shards = split_by_size(tie_groups(entries), group_size, limit)
+    names = naming.names(len(shards), always_sharded=always_sharded)
+    return [
+        (name, [e.key for g in groups for e in g], sum(group_size(g) for g in groups))
+        for name, groups in zip(names, shards, strict=True)
+    ]
+
+
+# --- index files -----------------------------------------------------------------------------
+
+
+@dataclass
+class ShardIndex:
+    """A parsed index file: which shard (by URI) holds each key, and the free-form metadata."""
+
+    uri: str
+    weight_map: dict[str, str]  # key -> shard URI (already confined under the index's directory)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shards(self) -> list[str]:
+        """Shard URIs, sorted by name (shard 1 first), each once."""
+        return sorted(set(self.weight_map.values()))
+
+
+def parent_uri(uri: str) -> str:
+    """The directory (or S3 prefix) holding ``uri``."""
+    head, sep, _ = uri.rstrip("/").rpartition("/")
+    if not sep:
+        return "."
+    if head.endswith(":/"):  # "s3://bucket" has no key part to drop
+        raise InvalidRequest(f"{uri} names a bucket, not an object")
+    return head or "/"
+
+
+def index_bytes(weight_map: dict[str, str], total_size: int, metadata: dict[str, Any] | None = None) -> bytes:
+    """The JSON text of an index file (indent 2 and a trailing newline, as ``transformers`` writes)."""
+    doc = {"metadata": {"total_size": total_size, **(metadata or {})}, "weight_map": weight_map}
+    return (json.dumps(doc, indent=2) + "\n").encode()
+
+
+def read_index(storage: Storage, uri: str) -> ShardIndex:
+    """Parse and validate an index file; shard names are confined under its directory."""
+    size = storage.stat(uri).size
+    if size > MAX_INDEX_BYTES:
+        raise CorruptCheckpoint(f"index file {uri} is {size} bytes, more than an index can be")
+    try:
+        doc = json.loads(storage.read_range(uri, 0, size))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"index file {uri} is not valid JSON: {e}") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        raise CorruptCheckpoint(f"index file {uri} has no weight_map object")
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpoint(f"index file {uri}: metadata is not an object")
+    base = parent_uri(uri)
+    confined: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    for key, name in doc["weight_map"].items():
+        if not isinstance(name, str):
+            raise CorruptCheckpoint(f"index file {uri}: shard of {key!r} is not a file name")
+        if name not in confined:
+            confined[name] = storage.join(base, name)  # PathEscape for '../x', '/etc/x', ...
+        weight_map[key] = confined[name]
+    return ShardIndex(uri, weight_map, metadata)
+
+
+def find_checkpoint(storage: Storage, uri: str, naming: ShardNaming, suffixes: tuple[str, ...]) -> str:
+    """The file to open for a source URI: the URI itself, or inside a directory/prefix the index,
+    else the single file, else the only file with one of ``suffixes``."""
+    if storage.exists(uri):
+        return uri
+    base = uri.rstrip("/")
+    for name in (naming.index, naming.single):
+        candidate = storage.join(base, name)
+        if storage.exists(candidate):
+            return candidate
+    prefix = base + "/"
+    found = [
+        info.uri for info in storage.list(prefix) if "/" not in info.uri[len(prefix) :] and info.uri.endswith(suffixes)
+    ]
+    indexes = [u for u in found if u.endswith(".index.json")]
+    if len(indexes) == 1:
+        return indexes[0]
+    files = [u for u in found if not u.endswith(".index.json")]
+    if len(files) == 1 and not indexes:
+        return files[0]
+    if not found:
+        raise ObjectNotFound(f"no {naming.ext} checkpoint at {uri}")
+    raise InvalidRequest(
+        f"{uri} holds several {naming.ext} checkpoints: " + ", ".join(sorted(found)[:6]),
+        hint="point at one file or at its index file",
+    )
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardFile:
+    """One output file of a sink: its URI and the keys (data entries and their links) it holds."""
+
+    uri: str
+    keys: list[str]
+    nbytes: int
+
+
+def sink_files(
+    storage: Storage,
+    uri: str,
+    entries: list[Entry],
+    shard_size: int | str | None,
+    fmt: str,
+    file_suffixes: tuple[str, ...],
+    *,
+    always_sharded: bool = False,
+) -> tuple[list[ShardFile], str | None]:
+    """Where a sink writes ``entries``: the files (in writing order) and the index URI, if any.
+
+    A URI ending in one of ``file_suffixes`` is the single output file; any other URI is a
+    directory (or S3 prefix) that receives the standard names of :data:`NAMING` (shard names and
+    an index even for one shard when ``always_sharded``).
+    """
+    limit = parse_size(shard_size) if shard_size is not None else None
+    data = [e for e in entries if e.is_data or e.kind == "link"]
+    if uri.endswith(file_suffixes):
+        if limit is not None:
+            raise InvalidRequest(
+                f"{uri} names one file, but a shard size was given",
+                hint="give a directory as the target to write shards",
+            )
+        planned = plan_shards(data, None, fmt)
+        return [ShardFile(uri, planned[0][1], planned[0][2])], None
+    base = uri.rstrip("/")
+    planned = plan_shards(data, limit, fmt, always_sharded=always_sharded)
+    files = [ShardFile(storage.join(base, name), keys, size) for name, keys, size in planned]
+    index = storage.join(base, NAMING[fmt].index) if len(files) > 1 or always_sharded else None
+    return files, index
+
+
+class ShardedSink(TensorSink):
+    """What the Hugging Face style sinks share: a target that is one file or a directory of
+    shards (``shard_size``; ``always_sharded`` writes shard names and an index even for one)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        uri: str,
+        *,
+        shard_size: int | str | None = None,
+        always_sharded: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(storage, uri, shard_size=shard_size, always_sharded=always_sharded, **options)
+        self.shard_size = shard_size
+        self.always_sharded = always_sharded
+        self._outputs = OutputSet(storage)
+
+    def shard_files(self, entries: list[Entry], suffixes: tuple[str, ...]) -> tuple[list[ShardFile], str | None]:
+        """Where this sink writes ``entries`` (see :func:`sink_files`)."""
+        return sink_files(
+            self.storage, self.uri, entries, self.shard_size, self.format, suffixes, always_sharded=self.always_sharded
+        )
+
+
+class HashingWriter:
+    """A storage writer that computes the sha256 and size of what passes through it."""
+
+    def __init__(self, writer: Writer, role: str) -> None:
+        self.writer = writer
+        self.role = role
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    @property
+    def uri(self) -> str:
+        return self.writer.uri
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.sha256.update(data)
+        self.writer.write(data)
+        self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
+
+
+class OutputSet:
+    """The files of one sink, written one after another; :meth:`abort` removes them all.
+
+    A file is committed as soon as it is complete (:meth:`close`), so an S3 upload's last part
+    does not wait in memory for the other shards; the sink writes under a staging URI that the
+    engine publishes later. A failure half way through removes every file already committed.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.open: list[HashingWriter] = []
+        self.done: list[OutputFile] = []
+
+    def create(self, uri: str, role: str = "data") -> HashingWriter:
+        w = HashingWriter(self.storage.open_writer(uri), role)
+        self.open.append(w)
+        return w
+
+    def close(self, w: HashingWriter) -> None:
+        """Commit one complete file."""
+        self.open.remove(w)
+        try:
+            w.writer.commit()
+        except BaseException:
+            self.abort()
+            raise
+        self.done.append(OutputFile(w.uri, w.size, w.sha256.hexdigest(), w.role))
+
+    def commit(self) -> list[OutputFile]:
+        """Commit the files still open; every file written, in order."""
+        for w in list(self.open):
+            self.close(w)
+        return list(self.done)
+
+    def abort(self) -> None:
+        """Discard every file, committed or not; idempotent."""
+        writers, self.open = self.open, []
+        for w in writers:
+            w.writer.abort()
+        done, self.done = self.done, []
+        for f in done:
+            self.storage.delete(f.uri)
+
+
+# --- raw tensor bytes ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor's bytes sit: an absolute byte range of one file, C order, little-endian."""
+
+    uri: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def tensor_view(value: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor in C order, without copying when contiguous."""
+    import torch
+
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def read_slot(storage: Storage, slot: Slot, fd: int | None = None) -> torch.Tensor:
+    """One tensor from its byte range, read straight into the tensor's memory.
+
+    ``fd`` (an open local file) reads with ``preadv`` and no intermediate copy; otherwise one
+    ranged read of exactly the tensor's bytes.
+    """
+    import torch
+
+    from ckptconv.formats.memory import empty_tensor
+
+    t = empty_tensor(slot.shape, slot.dtype)
+    if slot.nbytes == 0:
+        return t
+    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    if fd is not None:
+        done = 0
+        while done < slot.nbytes:
+            got = os.preadv(fd, [buf[done:]], slot.offset + done)
+            if got <= 0:
+                raise CorruptCheckpoint(f"{slot.uri} ends early: wanted {slot.nbytes} bytes at offset {slot.offset}")
+            done += got
+    else:
+        buf[:] = storage.read_range(slot.uri, slot.offset, slot.nbytes)
+    return t
+
+
+class LocalFiles:
+    """File descriptors of local files, opened on first use (remote URIs get None)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._fds: dict[str, int | None] = {}
+
+    def fd(self, uri: str) -> int | None:
+        if uri not in self._fds:
+            path = self.storage.local_path(uri)
+            self._fds[uri] = os.open(path, os.O_RDONLY) if path is not None else None
+        return self._fds[uri]
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+
+
+# --- the ckptconv record ---------------------------------------------------------------------
+#
+# What a Hugging Face style file cannot say (the nesting, non-tensor values, links, which tensors
+# were numpy arrays, opaque objects) travels as one JSON record: in the safetensors header's
+# ``__metadata__`` of a single file, in the index's ``metadata`` when sharded.
+
+RECORD_KEY = "ckptconv"
+RECORD_VERSION = 1
+_RECORD_KINDS = ("value", "link", "array", "object")
+
+
+def plain_value(v: Any) -> bool:
+    """True for the values a record (JSON) keeps exactly."""
+    return v is None or type(v) in (bool, int, float, str)
+
+
+def build_record(entries: list[Entry], spec: TreeSpec | None) -> dict[str, Any] | None:
+    """The record for ``entries``; None when they are plain tensors in a flat dict."""
+    special: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        if e.kind == "value":
+            special[e.key] = {"kind": "value", "value": e.value}
+        elif e.kind == "link":
+            special[e.key] = {"kind": "link", "target": e.target}
+        elif e.kind == "array":
+            special[e.key] = {"kind": "array"}
+        elif e.kind == "object":
+            special[e.key] = {"kind": "object", "encoding": str(e.meta.get("encoding", "dill"))}
+    if spec is None and not special:
+        return None
+    record: dict[str, Any] = {"version": RECORD_VERSION, "keys": [e.key for e in entries]}
+    if spec is not None:
+        record["spec"] = spec.to_json()
+    record["entries"] = special
+    return record
+
+
+def parse_record(raw: Any, where: str) -> dict[str, Any]:
+    """Validate a record read from a file (a JSON string in a header, an object in an index)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise CorruptCheckpoint(f"{where}: the {RECORD_KEY} metadata is not JSON: {e}") from e
+    if not isinstance(raw, dict) or type(raw.get("version")) is not int:
+        raise CorruptCheckpoint(f"{where}: the {RECORD_KEY} metadata has no version")
+    if raw["version"] > RECORD_VERSION:
+        raise UnsupportedFormat(
+            f"{where} was written by a newer ckptconv (record version {raw['version']})",
+            hint="upgrade ckptconv to read it",
+        )
+    keys, special = raw.get("keys"), raw.get("entries", {})
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+        raise CorruptCheckpoint(f"{where}: the {RECORD_KEY} metadata has no valid key list")
+    if not isinstance(special, dict) or not set(special) <= set(keys):
+        raise CorruptCheckpoint(f"{where}: the {RECORD_KEY} metadata describes keys it does not list")
+    for key, info in special.items():
+        if not isinstance(info, dict) or info.get("kind") not in _RECORD_KINDS:
+            raise CorruptCheckpoint(f"{where}: {key!r} has an invalid record")
+        if info["kind"] == "value" and not plain_value(info.get("value")):
+            raise CorruptCheckpoint(f"{where}: {key!r} has a value that is not a plain scalar")
+        if info["kind"] == "link" and info.get("target") not in keys:
+            raise CorruptCheckpoint(f"{where}: link {key!r} points at a key that does not exist")
+        if info["kind"] == "object" and not isinstance(info.get("encoding"), str):
+            raise CorruptCheckpoint(f"{where}: object {key!r} has no encoding")
+    if "spec" in raw and not isinstance(raw["spec"], str):
+        raise CorruptCheckpoint(f"{where}: the {RECORD_KEY} spec is not a string")
+    return raw
+
+
+def entries_from_record(
+    record: dict[str, Any] | None, stored: dict[str, Entry], where: str
+) -> tuple[list[Entry], TreeSpec | None]:
+    """The checkpoint's entries and spec from what the files hold (``stored``: tensors and links
+    found in them, by key) and the record, if any. Objects are stored as 1-D uint8 tensors."""
+    if record is None:
+        return list(stored.values()), None
+    keys: list[str] = record["keys"]
+    special: dict[str, dict[str, Any]] = record.get("entries", {})
+    listed = set(keys)
+    unlisted = [k for k in stored if k not in listed]
+    if unlisted:
+        raise CorruptCheckpoint(f"{where}: {unlisted[:5]} are stored but missing from the {RECORD_KEY} key list")
+    spec = TreeSpec.from_json(record["spec"]) if "spec" in record else None
+    entries: list[Entry] = []
+    for key in keys:
+        info = special.get(key, {"kind": "tensor"})
+        kind = info["kind"]
+        if kind == "value":
+            entries.append(Entry(key, "value", value=info.get("value")))
+            continue
+        if kind == "link":
+            entries.append(Entry(key, "link", target=info["target"]))
+            continue
+        have = stored.get(key)
+        if have is None or have.kind not in ("tensor", "array"):
+            raise CorruptCheckpoint(f"{where}: {key!r} has no data")
+        if kind == "object":
+            if have.dtype != "uint8" or len(have.shape or ()) != 1:
+                raise CorruptCheckpoint(f"{where}: object {key!r} is not stored as bytes")
+            entries.append(Entry(key, "object", meta={"nbytes": have.nbytes, "encoding": info["encoding"]}))
+        else:
+            entries.append(Entry(key, kind, have.dtype, have.shape, meta=dict(have.meta)))
+    return with_link_shapes(entries, where), spec
+
+
+def with_link_shapes(entries: list[Entry], where: str) -> list[Entry]:
+    """Links carry the dtype and shape of what they finally alias; cycles are refused."""
+    by_key = {e.key: e for e in entries}
+    out = []
+    for e in entries:
+        if e.kind == "link":
+            root = resolve_link(e.key, by_key)
+            if root is None:
+                raise CorruptCheckpoint(f"{where}: link {e.key!r} points nowhere or is part of a cycle")
+            r = by_key[root]
+            e = Entry(e.key, "link", r.dtype, r.shape, target=e.target, meta=dict(r.meta))
+        out.append(e)
+    return out

@@ -1,0 +1,52 @@
+"""Job kind ``convert``: container conversion through ``ckptconv.engine.convert.convert``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptconv.core.errors import CkptconvError
+from ckptconv.jobs import JobContext
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    from ckptconv.engine.convert import convert
+
+    assert ctx.target is not None  # the kind requires a target; the API validated it
+    result = convert(
+        ctx.source["uri"],
+        ctx.target["uri"],
+        to=ctx.target["format"],
+        source_format=ctx.source.get("format"),
+        shard_size=ctx.options.shard_size,
+        dtype=ctx.options.dtype,
+        progress=ctx.progress,
+        cancelled=ctx.cancelled,
+        job_id=ctx.job_id,
+    )
+    return result.to_dict()
+
+
+def plan(ctx: JobContext) -> dict[str, Any]:
+    from ckptconv.engine.convert import plan_conversion
+
+    assert ctx.target is not None
+    doc = plan_conversion(
+        ctx.source["uri"],
+        to=ctx.target["format"],
+        source_format=ctx.source.get("format"),
+        shard_size=ctx.options.shard_size,
+        dtype=ctx.options.dtype,
+    )
+    if not doc.get("ok") and set(doc) <= {"ok", "errors"} and doc.get("errors"):
+        # The source could not even be opened: that is an error of the request, not a plan.
+        raise CkptconvError.from_problem(doc["errors"][0])
+    return doc
+
+
+def cleanup(ctx: JobContext) -> None:
+    """Remove the staging area a lost worker may have left for this job."""
+    from ckptconv.engine.run import discard_staging
+
+    if ctx.target is None or ctx.job_id is None:
+        return
+    discard_staging(ctx.target["uri"], ctx.job_id)

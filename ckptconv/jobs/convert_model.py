@@ -1,0 +1,119 @@
+"""Job kind ``convert-model``: model-layout conversion through ``ckptconv.engine.layouts``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptconv.core.errors import InvalidRequest
+from ckptconv.jobs import JobContext
+
+
+def _target(ctx: JobContext) -> tuple[str | None, bool]:
+    """(output directory, export_safetensors) from the optional target and the options."""
+    opts = ctx.options
+    safetensors = bool(opts.export_safetensors)
+    if ctx.target is None:
+        return None, safetensors
+    fmt = ctx.target.get("format")
+    to_hf = opts.tgt_fmt == "hf"
+    if to_hf and fmt not in (None, "safetensors", "torch"):
+        raise InvalidRequest(f"tgt_fmt hf writes safetensors or torch files, not {fmt}", hint="set target.format")
+    if not to_hf and fmt not in (None, "cs-h5"):
+        raise InvalidRequest(f"tgt_fmt {opts.tgt_fmt} writes a cs-h5 checkpoint, not {fmt}", hint="set target.format")
+    return ctx.target["uri"], safetensors or fmt == "safetensors"
+
+
+def _options(ctx: JobContext) -> dict[str, Any]:
+    o = ctx.options
+    return {
+        "model": o.model,
+        "src_fmt": o.src_fmt,
+        "tgt_fmt": o.tgt_fmt,
+        "config": o.config,
+        "drop_unmatched_keys": o.drop_unmatched_keys,
+        "fold_lora": o.fold_lora,
+        "fold_mup": o.fold_mup,
+    }
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    from ckptconv.engine.layouts import convert_model
+
+    out_dir, safetensors = _target(ctx)
+    result = convert_model(
+        ctx.source["uri"],
+        out_dir,
+        export_safetensors=safetensors,
+        hf_shard_size=ctx.options.hf_shard_size,
+        progress=ctx.progress,
+        cancelled=ctx.cancelled,
+        job_id=ctx.job_id,
+        **_options(ctx),
+    )
+    doc = result.to_dict()
+    if ctx.options.verify:
+        doc["simulator"] = _simulate(ctx, result)
+        if not doc["simulator"].get("passed"):
+            doc.setdefault("warnings", []).append(f"simulator verdict: {doc['simulator'].get('verdict')}")
+    return doc
+
+
+def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:
+    """Compare the Hugging Face side with the simulator's model of the Cerebras side of a conversion."""
+    from ckptconv.engine.simulator.verify import verify
+    from ckptconv.storage import is_local, local_path_of
+
+    o = ctx.options
+    if o.tgt_fmt == "hf":
+        hf, cs_ckpt, cs_cfg = result.target, ctx.source["uri"], o.config
+    else:
+        configs = [f.uri for f in result.outputs if f.role == "config"]
+        hf, cs_ckpt, cs_cfg = ctx.source["uri"], result.target, configs[0] if configs else None
+    if cs_cfg is None:
+        return {"verdict": "skipped", "passed": False, "reason": "the Cerebras config is needed (options.config)"}
+    # An HF source may name a weights file; the model is its directory.
+    if is_local(hf) and not os.path.isdir(local_path_of(hf)):
+        hf = os.path.dirname(local_path_of(hf))
+    elif not is_local(hf) and hf.endswith((".safetensors", ".bin", ".json")):
+        hf = hf.rsplit("/", 1)[0]
+    return verify(hf, cs_ckpt, cs_cfg, o.model)
+
+
+def plan(ctx: JobContext) -> dict[str, Any]:
+    from ckptconv.engine.layouts import plan_model
+    from ckptconv.engine.layouts.api import open_model_source, planned_target
+
+    out_dir, _ = _target(ctx)
+    o = ctx.options
+    src = open_model_source(ctx.source["uri"], o.model, o.src_fmt, ctx.source.get("format"))
+    try:
+        p = plan_model(src, **_options(ctx))
+        doc = p.to_dict(source_sizes={e.key: e.nbytes for e in src.entries()}, limit=1000)
+        doc["target"] = planned_target(src, p, ctx.options.config, out_dir)
+    finally:
+        src.close()
+    doc["ok"] = not p.unmatched or ctx.options.drop_unmatched_keys
+    doc["errors"] = [] if doc["ok"] else [f"{len(p.unmatched)} keys match no rule"]
+    return doc
+
+
+def cleanup(ctx: JobContext) -> None:
+    """Remove the staging area a lost worker may have left for this job."""
+    from ckptconv.engine.layouts.api import output_target
+    from ckptconv.engine.run import discard_staging
+
+    if ctx.job_id is None:
+        return
+    out_dir, _ = _target(ctx)
+    discard_staging(
+        output_target(
+            ctx.source["uri"],
+            ctx.options.tgt_fmt,
+            ctx.options.config,
+            out_dir,
+            model=ctx.options.model,
+            src_fmt=ctx.options.src_fmt,
+        ),
+        ctx.job_id,
+    )

@@ -1,0 +1,36 @@
+"""Job kind ``dataloader-state``: add a release 1.9 dataloader state to a checkpoint as 2.0's entry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptconv.core.errors import InvalidRequest
+from ckptconv.jobs import JobContext
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    from ckptconv.engine.legacy.dataloader_state import convert_dataloader_state
+
+    assert ctx.target is not None  # the kind requires a target; the API validated it
+    if ctx.target.get("format") != "cs-h5":
+        raise InvalidRequest(f"dataloader-state writes a cs-h5 checkpoint, not {ctx.target.get('format')}")
+    result = convert_dataloader_state(
+        ctx.source["uri"],
+        ctx.options.iter_dir,
+        ctx.target["uri"],
+        dataloader_type=ctx.options.dataloader_type,
+        shuffle_seed=ctx.options.shuffle_seed,
+        progress=ctx.progress,
+        cancelled=ctx.cancelled,
+        job_id=ctx.job_id,
+    )
+    return result.to_dict()
+
+
+def cleanup(ctx: JobContext) -> None:
+    """Remove the staging area a lost worker may have left for this job."""
+    from ckptconv.engine.run import discard_staging
+
+    if ctx.target is None or ctx.job_id is None:
+        return
+    discard_staging(ctx.target["uri"], ctx.job_id)

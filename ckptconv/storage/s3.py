@@ -1,0 +1,635 @@
+"""S3 and S3-compatible storage (AWS, MinIO, Ceph, moto) on boto3; the only module that imports boto3.
+
+Guarantees on top of the :class:`~ckptconv.storage.base.Storage` contract:
+
+- The client comes from the standard AWS environment (credentials chain, ``AWS_ENDPOINT_URL`` /
+  ``AWS_ENDPOINT_URL_S3``, ``AWS_DEFAULT_REGION``, ``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``), with
+  retries and a connection pool sized for a few threads. A boto3 client is thread-safe, so one
+  :class:`S3Storage` serves every thread.
+- Writes are streaming multipart uploads: a part is sent as soon as it fills, from a background
+  thread, while the producer fills the next one (memory: about two parts per writer). Objects
+  smaller than one part are sent with one ``PutObject`` at commit. Part sizes grow with the part
+  number so that S3's 10,000-part limit is never the reason an upload fails.
+- Create-only commits (``overwrite=False``) send ``If-None-Match: *`` (atomic on AWS and MinIO)
+  and also check with ``HeadObject`` first, because some servers ignore the header. Servers that
+  reject the header get the check alone.
+- ``publish`` copies server-side (``CopyObject`` up to 5 GiB, ``UploadPartCopy`` beyond), then
+  deletes the staging key. Nothing is renamed: S3 has no rename.
+- An abandoned writer (neither committed nor aborted) leaves an incomplete multipart upload that
+  S3 keeps (and bills) until aborted; always use writers as context managers. A bucket lifecycle
+  rule ``AbortIncompleteMultipartUpload`` is the backstop for crashed processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+
+from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists
+from ckptconv.core.uri import join as join_uri
+from ckptconv.core.uri import s3_uri, split_s3
+from ckptconv.storage.base import ObjectInfo, RangeReader, Storage, Writer
+from ckptconv.storage.ranges import check_range, short_read
+
+log = logging.getLogger(__name__)
+
+# S3's multipart rules: every part but the last >= 5 MiB, no part > 5 GiB, at most 10,000 parts.
+MIN_PART_SIZE = 5 << 20
+MAX_PART_SIZE = 5 << 30
+MAX_PARTS = 10_000
+# CopyObject copies at most 5 GiB in one request; larger objects need UploadPartCopy.
+MAX_SINGLE_COPY = 5 << 30
+# Doubling the part size every this many parts reaches S3's 5 TiB object limit well before part 10,000.
+PART_GROWTH_EVERY = 1_000
+# A handful of engine threads plus one background uploader per open writer.
+MAX_POOL_CONNECTIONS = 16
+# Body reads are not covered by botocore's retries (they happen after the response arrived).
+READ_ATTEMPTS = 3
+
+_CREDENTIALS_HINT = (
+    "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role) "
+    "and that they may access this bucket; without s3:ListBucket, S3 answers 403 also for missing objects"
+)
+_NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+_DENIED_CODES = {
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AllAccessDisabled",
+}
+_STREAM_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError)
+
+
+def part_size_for(part_number: int, base: int) -> int:
+    """Size of part ``part_number`` (1-based) for a writer whose first parts are ``base`` bytes.
+
+    Parts double every :data:`PART_GROWTH_EVERY` parts, so 64 MiB parts cover 64 GB with the
+    first thousand parts and S3's 5 TiB object limit within the 10,000-part limit.
+    """
+    size = max(base, MIN_PART_SIZE) << ((part_number - 1) // PART_GROWTH_EVERY)
+    return min(size, MAX_PART_SIZE)
+
+
+def endpoint_from_env() -> str | None:
+    """The endpoint boto3 would use from the environment (service-specific variable first)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def make_client(endpoint_url: str | None = None, *, max_attempts: int | None = None) -> Any:
+    """A boto3 S3 client configured from the environment; ``endpoint_url`` overrides it."""
+    endpoint = endpoint_url or endpoint_from_env()
+    options: dict[str, Any] = {
+        "retries": {
+            "mode": os.environ.get("AWS_RETRY_MODE", "standard"),
+            "max_attempts": max_attempts if max_attempts is not None else int(os.environ.get("AWS_MAX_ATTEMPTS", "8")),
+        },
+        "max_pool_connections": MAX_POOL_CONNECTIONS,
+        "connect_timeout": 10,
+        # CompleteMultipartUpload and large CopyObject calls may take minutes on the server side.
+        "read_timeout": 300,
+        "tcp_keepalive": True,
+    }
+    if endpoint:
+        # Custom endpoints (MinIO in docker-compose, moto in tests) are rarely set up for
+        # virtual-hosted buckets (bucket.host), so address buckets by path.
+        options["s3"] = {"addressing_style": "path"}
+        # boto3 >= 1.36 adds CRC checksums to every upload by default, which several S3-compatible
+        # servers reject; unless the environment says otherwise, send them only where S3 requires them.
+        if "AWS_REQUEST_CHECKSUM_CALCULATION" not in os.environ:
+            options["request_checksum_calculation"] = "when_required"
+        if "AWS_RESPONSE_CHECKSUM_VALIDATION" not in os.environ:
+            options["response_checksum_validation"] = "when_required"
+    session = boto3.session.Session()
+    return session.client("s3", endpoint_url=endpoint, config=Config(**options))
+
+
+def _etag(value: str | None) -> str | None:
+    return value.strip('"') if value else None
+
+
+def _error_code(e: ClientError) -> tuple[str, int | None]:
+    code = str(e.response.get("Error", {}).get("Code", ""))
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code, status
+
+
+def _typed_error(e: ClientError, uri: str) -> Exception:
+    """The ckptconv error for a failed S3 call on ``uri``."""
+    code, status = _error_code(e)
+    message = e.response.get("Error", {}).get("Message") or code
+    bucket = uri[len("s3://") :].partition("/")[0]
+    if code == "NoSuchBucket":
+        return ObjectNotFound(
+            f"bucket {bucket!r} does not exist ({uri})",
+            hint=f"check the bucket name in the URI, or create bucket {bucket!r}",
+            uri=uri,
+        )
+    if code == "NoSuchUpload":
+        return StorageError(
+            f"the multipart upload of {uri} no longer exists (aborted elsewhere, or expired by a lifecycle rule)",
+            hint="retry the write",
+            uri=uri,
+        )
+    if code in _NOT_FOUND_CODES or status == 404:
+        return ObjectNotFound(f"no object at {uri}", uri=uri)
+    if code in _DENIED_CODES or status == 403:
+        return StorageError(f"access denied to {uri} ({code}: {message})", hint=_CREDENTIALS_HINT, uri=uri)
+    if code in ("PreconditionFailed", "412") or status == 412:
+        # Only create-only writes send preconditions (If-None-Match: *).
+        return TargetExists(f"{uri} already exists", uri=uri)
+    if code == "ConditionalRequestConflict":
+        return TargetExists(
+            f"another writer is creating {uri} at the same time",
+            hint="only one of two concurrent writers of the same object can win; choose another target",
+            uri=uri,
+        )
+    return StorageError(
+        f"S3 {e.operation_name} failed for {uri}: {code} {message}".rstrip(),
+        uri=uri,
+        s3_code=code,
+        http_status=status,
+    )
+
+
+@contextlib.contextmanager
+def _s3_errors(uri: str, endpoint: str | None = None) -> Iterator[None]:
+    """Translate botocore exceptions raised inside the block into typed ckptconv errors."""
+    try:
+        yield
+    except ClientError as e:
+        raise _typed_error(e, uri) from e
+    except (NoCredentialsError, PartialCredentialsError) as e:
+        raise StorageError(f"no usable AWS credentials for {uri}: {e}", hint=_CREDENTIALS_HINT, uri=uri) from e
+    except (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError) as e:
+        where = endpoint or "the S3 endpoint"
+        raise StorageError(
+            f"cannot reach {where} for {uri}: {e}",
+            hint="check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), the network, and that the object store is up",
+            uri=uri,
+        ) from e
+    except BotoCoreError as e:
+        raise StorageError(f"S3 request for {uri} failed: {e}", uri=uri) from e
+
+
+def _rejects_conditional(e: ClientError) -> bool:
+    """True when a server refuses ``If-None-Match`` itself rather than the object (old S3-compatible servers)."""
+    code, status = _error_code(e)
+    return status == 501 or code == "NotImplemented"
+
+
+class S3Storage(Storage):
+    """Objects in S3 or an S3-compatible store. Thread-safe; one instance per endpoint.
+
+    ``part_checksums`` sends CRC32 checksums with every multipart part (what boto3's transfer
+    manager does on AWS); by default it follows the client's ``request_checksum_calculation``.
+    ``multipart_copy_threshold`` and ``copy_part_size`` choose between ``CopyObject`` and
+    ``UploadPartCopy`` in ``publish`` (tests lower them to exercise the multipart path).
+    """
+
+    scheme = "s3"
+
+    def __init__(
+        self,
+        endpoint_url: str | None = None,
+        *,
+        client: Any = None,
+        max_attempts: int | None = None,
+        part_checksums: bool | None = None,
+        multipart_copy_threshold: int = MAX_SINGLE_COPY,
+        copy_part_size: int = 1 << 30,
+    ) -> None:
+        self.client = client if client is not None else make_client(endpoint_url, max_attempts=max_attempts)
+        self.endpoint_url: str | None = self.client.meta.endpoint_url
+        if part_checksums is None:
+            part_checksums = getattr(self.client.meta.config, "request_checksum_calculation", None) != "when_required"
+        self.part_checksums = part_checksums
+        self.multipart_copy_threshold = min(multipart_copy_threshold, MAX_SINGLE_COPY)
+        self.copy_part_size = min(max(copy_part_size, MIN_PART_SIZE), MAX_PART_SIZE)
+        # Cleared the first time the server refuses If-None-Match; HeadObject checks remain.
+        self.conditional_writes = True
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _errors(self, uri: str) -> contextlib.AbstractContextManager[None]:
+        return _s3_errors(uri, self.endpoint_url)
+
+    def _object(self, uri: str, *, writing: bool = False) -> tuple[str, str]:
+        bucket, key = split_s3(uri)
+        if not key:
+            if writing:
+                raise InvalidRequest(f"{uri} names a bucket, not an object", hint="write to s3://bucket/key")
+            raise ObjectNotFound(f"{uri} names a bucket, not an object", uri=uri)
+        return bucket, key
+
+    def create_only(self, uri: str, call: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        """Run a write that must not replace an existing object at ``uri`` (put, complete, copy).
+
+        Checks with HeadObject first (servers that ignore If-None-Match), then sends the write
+        with ``If-None-Match: *`` so that AWS and MinIO refuse it atomically if another writer
+        won meanwhile. Raises TargetExists when the object exists.
+        """
+        if self.exists(uri):
+            raise TargetExists(f"{uri} already exists", uri=uri)
+        if self.conditional_writes:
+            with self._errors(uri):
+                try:
+                    return call(IfNoneMatch="*", **kwargs)
+                except ClientError as e:
+                    if not _rejects_conditional(e):
+                        raise
+                    log.info("%s refuses If-None-Match (%s); relying on HEAD checks", self.endpoint_url, e)
+                    self.conditional_writes = False
+        with self._errors(uri):
+            return call(**kwargs)
+
+    # --- Storage ---------------------------------------------------------------------------
+
+    def stat(self, uri: str) -> ObjectInfo:
+        bucket, key = self._object(uri)
+        with self._errors(uri):
+            r = self.client.head_object(Bucket=bucket, Key=key)
+        return ObjectInfo(
+            uri=uri, size=int(r["ContentLength"]), etag=_etag(r.get("ETag")), mtime=r["LastModified"].timestamp()
+        )
+
+    def user_metadata(self, uri: str) -> dict[str, str]:
+        """The object's user metadata (``x-amz-meta-*``), keys lowercased as S3 returns them."""
+        bucket, key = self._object(uri)
+        with self._errors(uri):
+            return dict(self.client.head_object(Bucket=bucket, Key=key).get("Metadata", {}))
+
+    def read_range(self, uri: str, offset: int, length: int) -> bytes:
+        check_range(uri, offset, length)
+        if length == 0:
+            return b""
+        bucket, key = self._object(uri)
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                data, content_range = self._get_range(uri, bucket, key, offset, length)
+                break
+            except _STREAM_ERRORS as e:
+                # The connection broke while the body streamed in; botocore retried only the request.
+                if attempt == READ_ATTEMPTS:
+                    raise StorageError(f"reading {uri} failed {attempt} times: {e}", uri=uri) from e
+                log.warning("retrying ranged read of %s after %s", uri, e)
+        if content_range is None and len(data) > length:
+            # The server ignored Range and sent the whole object (allowed by HTTP).
+            data = data[offset : offset + length]
+        if len(data) != length:
+            total = (content_range or "").rpartition("/")[2]
+            raise short_read(uri, offset, length, len(data), int(total) if total.isdigit() else None)
+        return data
+
+    def _get_range(self, uri: str, bucket: str, key: str, offset: int, length: int) -> tuple[bytes, str | None]:
+        """One ranged GET: the body and the Content-Range header (None when the server sent no range)."""
+        with self._errors(uri):
+            try:
+                r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+            except ClientError as e:
+                code, status = _error_code(e)
+                if code == "InvalidRange" or status == 416:  # the range starts at or past the end
+                    size = e.response.get("Error", {}).get("ActualObjectSize")
+                    raise short_read(uri, offset, length, 0, int(size) if size else None) from None
+                raise
+        body = r["Body"]
+        try:
+            return body.read(), r.get("ContentRange")
+        finally:
+            body.close()
+
+    def open_reader(self, uri: str) -> BinaryIO:
+        """A buffered, seekable reader over ranged GETs (read-ahead of 8 MiB per request)."""
+        info = self.stat(uri)
+        return io.BufferedReader(RangeReader(self, uri, info.size), buffer_size=64 << 10)  # type: ignore[return-value]
+
+    def open_writer(
+        self,
+        uri: str,
+        *,
+        overwrite: bool = False,
+        part_size: int = 64 << 20,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Writer:
+        """A streaming multipart :class:`S3Writer`; ``metadata`` becomes the object's user metadata.
+
+        ``part_size`` below S3's 5 MiB minimum is raised to it.
+        """
+        bucket, key = self._object(uri, writing=True)
+        # Early refusal saves uploading gigabytes that commit would refuse anyway.
+        if not overwrite and self.exists(uri):
+            raise TargetExists(f"{uri} already exists", uri=uri)
+        return S3Writer(self, uri, bucket, key, overwrite=overwrite, part_size=part_size, metadata=metadata)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Objects whose URI starts with ``prefix``, in S3's order (UTF-8 binary order = sorted by URI).
+
+        Keys ending in ``/`` (the "folder" markers consoles create) are not objects here.
+        """
+        bucket, key_prefix = split_s3(prefix)
+        paginator = self.client.get_paginator("list_objects_v2")
+        with self._errors(prefix):
+            for page in paginator.paginate(Bucket=bucket, Prefix=key_prefix):
+                for obj in page.get("Contents", ()):
+                    if obj["Key"].endswith("/"):
+                        continue
+                    yield ObjectInfo(
+                        uri=s3_uri(bucket, obj["Key"]),
+                        size=int(obj["Size"]),
+                        etag=_etag(obj.get("ETag")),
+                        mtime=obj["LastModified"].timestamp(),
+                    )
+
+    def delete(self, uri: str) -> None:
+        bucket, key = self._object(uri, writing=True)
+        with self._errors(uri):
+            self.client.delete_object(Bucket=bucket, Key=key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix`` (folder markers included) in batches of 1000.
+
+        Refuses an empty key prefix: that would empty the whole bucket.
+        """
+        bucket, key_prefix = split_s3(prefix)
+        if not key_prefix:
+            raise InvalidRequest(
+                f"refusing to delete every object in bucket {bucket!r}", hint="name a narrower prefix", uri=prefix
+            )
+        paginator = self.client.get_paginator("list_objects_v2")
+        n = 0
+        with self._errors(prefix):
+            for page in paginator.paginate(Bucket=bucket, Prefix=key_prefix):
+                keys = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
+                if not keys:
+                    continue
+                r = self.client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+                errors = r.get("Errors") or []
+                if errors:
+                    first = errors[0]
+                    raise StorageError(
+                        f"could not delete {len(errors)} objects under {prefix}, e.g. {first.get('Key')}: "
+                        f"{first.get('Code')} {first.get('Message', '')}".rstrip(),
+                        uri=prefix,
+                    )
+                n += len(keys)
+        return n
+
+    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
+        """Copy each staging object to its final key (server-side), in order, then delete the staging key.
+
+        Every source is checked to exist, and (unless ``overwrite``) every target to be absent,
+        before the first copy, so a refused publish changes nothing.
+        """
+        pairs = list(pairs)
+        sizes = [self.stat(src).size for src, _ in pairs]
+        if not overwrite:
+            for _, dst in pairs:
+                if self.exists(dst):
+                    raise TargetExists(f"{dst} already exists", uri=dst)
+        for (src, dst), size in zip(pairs, sizes, strict=True):
+            if size <= self.multipart_copy_threshold:
+                self._copy_object(src, dst, overwrite=overwrite)
+            else:
+                self._copy_multipart(src, dst, size, overwrite=overwrite)
+            self.delete(src)
+
+    def _copy_object(self, src: str, dst: str, *, overwrite: bool) -> None:
+        src_bucket, src_key = self._object(src)
+        bucket, key = self._object(dst, writing=True)
+        kwargs = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
+        if overwrite:
+            with self._errors(dst):
+                self.client.copy_object(**kwargs)
+        else:
+            self.create_only(dst, self.client.copy_object, **kwargs)
+
+    def _copy_multipart(self, src: str, dst: str, size: int, *, overwrite: bool) -> None:
+        src_bucket, src_key = self._object(src)
+        bucket, key = self._object(dst, writing=True)
+        with self._errors(src):
+            head = self.client.head_object(Bucket=src_bucket, Key=src_key)
+        create: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": head.get("Metadata", {})}
+        if head.get("ContentType"):
+            create["ContentType"] = head["ContentType"]
+        part = max(self.copy_part_size, math.ceil(size / MAX_PARTS))
+        with self._errors(dst):
+            upload_id = self.client.create_multipart_upload(**create)["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, part), start=1):
+                end = min(start + part, size) - 1
+                with self._errors(dst):
+                    r = self.client.upload_part_copy(
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        CopySource={"Bucket": src_bucket, "Key": src_key},
+                        CopySourceRange=f"bytes={start}-{end}",
+                    )
+                parts.append({"PartNumber": number, "ETag": r["CopyPartResult"]["ETag"]})
+            complete = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "MultipartUpload": {"Parts": parts}}
+            if overwrite:
+                with self._errors(dst):
+                    self.client.complete_multipart_upload(**complete)
+            else:
+                self.create_only(dst, self.client.complete_multipart_upload, **complete)
+        except BaseException:
+            self._abort_upload(bucket, key, upload_id, dst)
+            raise
+
+    def _abort_upload(self, bucket: str, key: str, upload_id: str, uri: str) -> None:
+        """Best effort: a failure here must not hide the error that made us abort."""
+        try:
+            self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+        except ClientError as e:
+            if _error_code(e)[0] != "NoSuchUpload":  # already gone is as good as aborted
+                log.warning("could not abort multipart upload %s of %s: %s", upload_id, uri, e)
+        except BotoCoreError as e:
+            log.warning("could not abort multipart upload %s of %s: %s", upload_id, uri, e)
+
+    def join(self, base: str, *parts: str) -> str:
+        return join_uri(base, *parts)
+
+
+class S3Writer(Writer):
+    """One streaming upload. Not thread-safe (one producer); see the module docstring."""
+
+    def __init__(
+        self,
+        storage: S3Storage,
+        uri: str,
+        bucket: str,
+        key: str,
+        *,
+        overwrite: bool,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.uri = uri
+        self._storage = storage
+        self._client = storage.client
+        self._bucket = bucket
+        self._key = key
+        self._overwrite = overwrite
+        self._base_part_size = max(part_size, MIN_PART_SIZE)
+        self._metadata = dict(metadata or {})
+        self._buf = bytearray()
+        self._written = 0
+        self._state = "open"
+        self._info: ObjectInfo | None = None
+        self._upload_id: str | None = None
+        self._next_part = 1
+        self._parts: list[dict[str, Any]] = []
+        self._pending: Future[dict[str, Any]] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def bytes_written(self) -> int:
+        return self._written
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._state != "open":
+            raise ValueError(f"write to a {self._state} writer for {self.uri}")
+        view = memoryview(data).cast("B")
+        pos, n = 0, len(view)
+        # Copy at most one part's worth at a time: a huge write never doubles in memory.
+        while pos < n:
+            size = part_size_for(self._next_part, self._base_part_size)
+            take = min(size - len(self._buf), n - pos)
+            self._buf += view[pos : pos + take]
+            pos += take
+            if len(self._buf) >= size:
+                self._send_part()
+        self._written += n
+        return n
+
+    def _send_part(self) -> None:
+        """Hand the full buffer to the uploader thread; wait first for the part before it (bounded memory)."""
+        if self._next_part > MAX_PARTS:
+            raise StorageError(f"{self.uri} needs more than {MAX_PARTS} parts", hint="S3 objects are at most 5 TiB")
+        if self._upload_id is None:
+            self._start_upload()
+        body, self._buf = self._buf, bytearray()
+        self._wait_pending()
+        assert self._executor is not None
+        self._pending = self._executor.submit(self._upload_part, self._next_part, body)
+        self._next_part += 1
+
+    def _start_upload(self) -> None:
+        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key}
+        if self._metadata:
+            kwargs["Metadata"] = self._metadata
+        if self._storage.part_checksums:
+            # AWS requires the upload to announce the algorithm its parts carry checksums of.
+            kwargs["ChecksumAlgorithm"] = "CRC32"
+        with self._storage._errors(self.uri):
+            self._upload_id = self._client.create_multipart_upload(**kwargs)["UploadId"]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
+
+    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Key": self._key,
+            "UploadId": self._upload_id,
+            "PartNumber": number,
+            "Body": body,
+        }
+        if self._storage.part_checksums:
+            kwargs["ChecksumAlgorithm"] = "CRC32"
+        with self._storage._errors(self.uri):
+            r = self._client.upload_part(**kwargs)
+        part = {"PartNumber": number, "ETag": r["ETag"]}
+        if self._storage.part_checksums and r.get("ChecksumCRC32"):
+            part["ChecksumCRC32"] = r["ChecksumCRC32"]
+        return part
+
+    def _wait_pending(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._parts.append(pending.result())
+
+    def commit(self) -> ObjectInfo:
+        if self._state == "committed":
+            assert self._info is not None
+            return self._info
+        if self._state != "open":
+            raise ValueError(f"commit of an aborted writer for {self.uri}")
+        try:
+            etag = self._put_whole() if self._upload_id is None else self._complete()
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "committed"
+        self._shutdown()
+        self._info = ObjectInfo(uri=self.uri, size=self._written, etag=_etag(etag))
+        return self._info
+
+    def _put_whole(self) -> str | None:
+        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key, "Body": bytes(self._buf)}
+        self._buf = bytearray()
+        if self._metadata:
+            kwargs["Metadata"] = self._metadata
+        if self._overwrite:
+            with self._storage._errors(self.uri):
+                return self._client.put_object(**kwargs).get("ETag")
+        return self._storage.create_only(self.uri, self._client.put_object, **kwargs).get("ETag")
+
+    def _complete(self) -> str | None:
+        if self._buf:
+            # The last part may be smaller than 5 MiB.
+            self._send_part()
+        self._wait_pending()
+        kwargs: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Key": self._key,
+            "UploadId": self._upload_id,
+            "MultipartUpload": {"Parts": self._parts},
+        }
+        if self._overwrite:
+            with self._storage._errors(self.uri):
+                return self._client.complete_multipart_upload(**kwargs).get("ETag")
+        return self._storage.create_only(self.uri, self._client.complete_multipart_upload, **kwargs).get("ETag")
+
+    def abort(self) -> None:
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._buf = bytearray()
+        if self._pending is not None:
+            # Abort only after the part in flight ended, or S3 might keep that part.
+            with contextlib.suppress(Exception):
+                self._pending.result()
+            self._pending = None
+        self._shutdown()
+        if self._upload_id is not None:
+            self._storage._abort_upload(self._bucket, self._key, self._upload_id, self.uri)
+
+    def _shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
