@@ -2,19 +2,19 @@
 
 Detection looks at names first (cheap, and exact for the layouts the formats define) and falls back
 to the first bytes of a file: the HDF5 signature, a zip header (PyTorch >= 1.6), a pickle protocol
-byte (older PyTorch), or a safetensors header length followed by ``{``.
+byte (older PyTorch), or a safetensors header length followed by ``{`` (after any JSON whitespace).
 """
 
 from __future__ import annotations
 
 import posixpath
-import struct
 from typing import Any
 
 from ckptconv.core.errors import ObjectNotFound, UnknownFormat, UnsupportedFormat
 from ckptconv.core.uri import normalize_uri
 from ckptconv.formats import FORMATS, source_class
 from ckptconv.formats.base import TensorSource
+from ckptconv.formats.safetensors_fmt import looks_like_header
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 
@@ -64,7 +64,7 @@ def detect_source_format(storage: Storage, uri: str) -> str:
     """The format of the checkpoint at ``uri`` (a file, an index file, a directory or a prefix)."""
     if storage.exists(uri):
         by_name = format_from_name(uri)
-        head = storage.read_range(uri, 0, min(16, storage.stat(uri).size))
+        head = storage.read_range(uri, 0, min(64, storage.stat(uri).size))
         by_magic = _format_from_magic(head)
         if by_magic and by_name and by_name != by_magic and by_name != "tf":
             # A name can lie (a .bin that is safetensors); the bytes cannot.
@@ -103,10 +103,8 @@ def _format_from_magic(head: bytes) -> str | None:
         return "torch"
     if head[:1] == b"\x80" and len(head) > 1 and head[1] in (2, 3, 4, 5):
         return "torch"
-    if len(head) >= 9:
-        (n,) = struct.unpack("<Q", head[:8])
-        if 2 <= n < (100 << 20) and head[8:9] == b"{":
-            return "safetensors"
+    if looks_like_header(head):
+        return "safetensors"
     return None
 
 

@@ -3,6 +3,8 @@
 File layout (the safetensors specification): an 8-byte little-endian header length N, N bytes
 of JSON ``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
 padded with spaces, then the data area, which the tensors cover exactly (no holes, no overlap).
+JSON whitespace may pad the header on either side: writers pad the end (8-byte alignment of the
+data area) and the reference reader accepts leading whitespace too, so this one does.
 
 Reading parses the header with ranged reads, validates every size and offset before use, and
 reads one tensor with one ranged read (on S3 nothing else of the file is downloaded). Writing
@@ -89,6 +91,7 @@ _READ_ONLY = {"C64": "complex64"}
 DTYPES_FROM_ST = {**{v: k for k, v in ST_DTYPES.items()}, **_READ_ONLY}
 
 MAX_HEADER = 100 * 1000 * 1000  # the limit the safetensors library enforces
+JSON_WHITESPACE = b" \t\n\r"  # the only padding JSON allows around the header object
 _SUFFIXES = (".safetensors",)
 
 
@@ -111,6 +114,21 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def looks_like_header(head: bytes) -> bool:
+    """Whether the first bytes of a file are a safetensors length prefix and the start of its header.
+
+    ``head`` holds at least 9 bytes; when all of the header it shows is whitespace padding, the
+    start cannot be seen and the answer is yes if the length is plausible.
+    """
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    if not 2 <= n <= MAX_HEADER:
+        return False
+    shown = head[8 : 8 + n].lstrip(JSON_WHITESPACE)
+    return shown[:1] == b"{" or (not shown and len(head) - 8 < n)
+
+
 def _is_uint(x: Any) -> bool:
     return type(x) is int and x >= 0
 
@@ -126,7 +144,7 @@ def read_header(storage: Storage, uri: str) -> Header:
     if n > size - 8:
         raise CorruptCheckpoint(f"{uri}: header length {n} runs past the end of the {size}-byte file")
     raw = storage.read_range(uri, 8, n)
-    if not raw.startswith(b"{"):
+    if not raw.lstrip(JSON_WHITESPACE).startswith(b"{"):
         raise CorruptCheckpoint(f"{uri}: the safetensors header is not a JSON object")
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
