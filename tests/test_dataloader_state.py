@@ -198,3 +198,80 @@ def test_real_cstorch_loads_the_dataloader_state(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == read_dataloader_state(
         str(tmp_path / "iter_state"), "iterable"
     )
+
+
+# --- the original flow: dataloader state, then the release upgrade read as cs-auto ----------------
+
+
+def test_original_flow_dataloader_state_then_cs_auto_upgrade(tmp_path, capsys):
+    """1.9 checkpoint + iterator files -> convert-dataloader-state -> convert-model cs-auto -> cs-2.9."""
+    import yaml
+    from test_fix_spec import write_legacy
+    from test_layouts_upgrades import LEGACY_GPT2, _gpt2_cs_state
+
+    from ckptconv.cli import main
+    from ckptconv.formats.detect import open_source
+
+    state = _gpt2_cs_state("")
+    old = str(tmp_path / "checkpoint_10.mdl")
+    write_legacy(Path(old), state, dict, version=0.3)
+    d = str(iter_dir(tmp_path, step=10))
+    mid = tmp_path / "checkpoint_10_2.0.mdl"
+    argv = ["convert-dataloader-state", "-c", old, "-w", d, "-o", str(mid), "-d", "map"]
+    assert main(argv) == 0
+    assert "reads it as cs-1.9" in capsys.readouterr().out
+    out = CsH5Source(open_storage(str(mid)), str(mid))
+    assert out.info["cstorch_version"] == "1.9.0" and out.version == pytest.approx(0.5)
+    out.close()
+
+    cfg = tmp_path / "params.yaml"
+    cfg.write_text(yaml.safe_dump(LEGACY_GPT2))
+    argv = ["convert-model", str(mid), str(tmp_path / "up"), "--model", "gpt2", "--src-fmt", "cs-auto"]
+    assert main([*argv, "--tgt-fmt", "cs-2.9", "--config", str(cfg), "--json", "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    conv = result["extras"]["model_conversion"]
+    assert conv["source_format"] == "cs-1.9" and conv["path"][0] == "cs-1.9"
+    up = open_source(result["target"])
+    try:
+        entries = {e.key: e for e in up.entries()}
+        values = {k: e.value for k, e in entries.items() if e.kind == "value"}
+        emb = up.read("model.embedding_layer.word_embeddings.weight")
+        assert torch.equal(up.read("model.lm_head.weight"), emb)  # the 1.9 None tie, repaired going up
+        assert "model.embedding_layer.position_embeddings.embed.weight" in entries  # the 2.0 -> 2.1 rename ran
+        assert "model.embedding_layer.position_embeddings.weight" not in entries
+    finally:
+        up.close()
+    assert torch.equal(emb, state["model"]["embedding_layer.word_embeddings.weight"])
+    assert values["dataloader.samples_streamed"] == 3022 and values["dataloader.seed"] == 0
+    assert values["lr_scheduler.last_epoch"] == 10  # below 2.0 the scheduler step becomes the global step
+    assert values["__metadata__.0.version"] == "2.9.0"
+
+
+def test_an_unfixed_1_7_checkpoint_is_refused_until_fix_spec(tmp_path, capsys):
+    from test_fix_spec import MISSING, write_legacy
+
+    from ckptconv.cli import main
+    from ckptconv.engine.legacy.fix_spec import fix_checkpoint_spec
+
+    emb = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    tree = {"model": {"embedding_layer.word_embeddings.weight": emb, "lm_head.weight": MISSING}, "global_step": 300}
+    old = str(tmp_path / "c17.mdl")
+    write_legacy(Path(old), tree, dict)  # as 1.7 left it: the tied lm_head listed in the spec, not stored
+    d = str(iter_dir(tmp_path))
+    out = tmp_path / "c17_2.0.mdl"
+    with pytest.raises(DataloaderStateError, match=r"model\.lm_head\.weight.*written as None") as err:
+        convert_dataloader_state(old, d, str(out))
+    assert f"ckptconv fix-spec {old}" in err.value.hint
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["c17.mdl", "iter_state"]
+    assert main(["convert-dataloader-state", "-c", old, "-w", d, "-o", str(out)]) == 2
+    assert "dataloader_state_error" in capsys.readouterr().err
+
+    fixed = fix_checkpoint_spec(old).output
+    result = convert_dataloader_state(fixed, d, str(out))
+    assert result.extras["release"] == "1.7"
+    src = CsH5Source(open_storage(str(out)), str(out))
+    try:
+        assert torch.equal(src.read("model.lm_head.weight"), emb)
+        assert src.info["cstorch_version"] == "1.7.0"
+    finally:
+        src.close()

@@ -112,7 +112,13 @@ def write_legacy(path: Path, tree: dict, tsd: type, *, version: float | None = N
             if value is MISSING:
                 continue
             name = quote(key, safe="")
-            if isinstance(value, torch.Tensor):
+            if value is None:  # stored as a None entry (1.9 saved some tied members so)
+                ds = f.create_dataset(name, shape=None, dtype="f4")
+                if version is None:
+                    ds.attrs["is_none"] = True
+                else:
+                    ds.attrs["__H5_TYPE__"] = "NoneH5Type"
+            elif isinstance(value, torch.Tensor):
                 ds = f.create_dataset(name, data=value.numpy())
                 if version is not None:
                     ds.attrs["__H5_TYPE__"] = "TorchTensorH5Type"

@@ -142,4 +142,7 @@ def cmd_convert_dataloader_state(args: argparse.Namespace) -> int:
         return 0
     _print_result(result, False)
     print(f"dataloader: {json.dumps(result.extras.get('dataloader'))}")
+    release = result.extras.get("release")
+    if release:
+        print(f"model layout: release {release} (convert-model --src-fmt cs-auto reads it as cs-{release})")
     return 0

@@ -18,6 +18,13 @@ it to a plan, which is how both the ``convert-dataloader-state`` command and mod
 (when the old config sets ``cerebras.save_iter_state_path``, see :func:`state_from_config`) apply
 it; :func:`convert_dataloader_state` writes an old checkpoint plus the state as a Cerebras H5
 checkpoint (format 0.5, also when the old one is a legacy file).
+
+The model in that output keeps the old release's key layout: the release upgrade is the next step
+(``convert-model --src-fmt cs-auto``). So the output records the old release as its
+``__cstorch_version__`` (``1.9.0`` for a 1.9 checkpoint), which is what ``cs-auto`` reads when the
+checkpoint has no ``__metadata__`` record; stamped with the writer's release, a 1.9 layout would be
+read as 2.x. A release 1.7 checkpoint that was never repaired (tied weights listed in its tree spec
+but absent from the file, which read as None) is refused: ``fix-spec`` links them first.
 """
 
 from __future__ import annotations
@@ -219,16 +226,60 @@ def convert_dataloader_state(
     state = read_dataloader_state(iter_dir, dataloader_type, shuffle_seed)
     src = open_source(old_checkpoint)
     try:
-        base = identity_plan(src.entries(), src.spec)
+        entries = src.entries()
+        _refuse_unfixed(old_checkpoint, entries)
+        base = identity_plan(entries, src.spec)
         if has_dataloader_state(base):
             raise DataloaderStateError(
                 f"{old_checkpoint} already has a dataloader state",
                 hint="it was saved by release 2.0 or later; there is nothing to convert",
             )
         plan = add_dataloader_state(base, state)
+        release = (src.info or {}).get("release")
+        if release is None:
+            plan = replace(
+                plan,
+                warnings=[
+                    *plan.warnings,
+                    f"the release of {old_checkpoint} is unknown, so the output is stamped with the current one; "
+                    "name the old release (--src-fmt cs-X.Y) when upgrading it",
+                ],
+            )
         result = run_plan(
-            plan, src, to="cs-h5", target=output, verify=verify, extras={"dataloader": state}, **run_options
+            plan,
+            src,
+            to="cs-h5",
+            target=output,
+            verify=verify,
+            sink_options={"cstorch_version": f"{release}.0" if release else None},
+            extras={"dataloader": state, "release": release},
+            **run_options,
         )
     finally:
         src.close()
     return result
+
+
+def _refuse_unfixed(old_checkpoint: str, entries: list[Entry]) -> None:
+    """Refuse a legacy checkpoint whose tree spec lists keys the file lacks (they would be written as None)."""
+    from ckptconv.engine.legacy.fix_spec import tied_partner
+
+    missing = [e.key for e in entries if e.meta.get("missing")]
+    if not missing:
+        return
+    present = {e.key for e in entries if not e.meta.get("missing")}
+    tied = [k for k in missing if tied_partner(k, present)]
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    if len(tied) == len(missing):
+        hint = (
+            f"run `ckptconv fix-spec {old_checkpoint}` first (it links them to their tied partners), "
+            "then convert the fixed copy"
+        )
+    else:
+        lone = ", ".join(k for k in missing if k not in tied)[:200]
+        hint = f"`ckptconv fix-spec` links tied weights to their partners, but {lone} have none: use a complete copy"
+    raise DataloaderStateError(
+        f"{old_checkpoint} lists {len(missing)} keys in its tree spec that are not in the file ({shown}); "
+        "they would be written as None (an unrepaired release 1.7 checkpoint)",
+        hint=hint,
+    )

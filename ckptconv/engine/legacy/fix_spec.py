@@ -251,7 +251,7 @@ def _plan(f: Any, path: str) -> _Planned:
     for key in keys:
         if key in present:
             continue
-        partner = _tied_partner(key, present)
+        partner = tied_partner(key, present)
         if partner is None:
             unresolved.append(key)
         else:
@@ -295,7 +295,8 @@ def _plan(f: Any, path: str) -> _Planned:
     return _Planned(version, raw_version is None, spec_pickle_hex(spec), had_tsd, links, last_epoch, notes)
 
 
-def _tied_partner(key: str, present: set[str]) -> str | None:
+def tied_partner(key: str, present: set[str]) -> str | None:
+    """The key of ``present`` that ``key`` is tied to (same prefix, a known tied pair), if any."""
     for a, b in TIED_SUFFIXES:
         for mine, other in ((a, b), (b, a)):
             if key == mine or key.endswith("." + mine):
