@@ -192,6 +192,7 @@ def test_bad_tables(table: dict) -> None:
 def test_family_validation_rejects_unknown_transform_and_hook() -> None:
     base = {
         "family": "x",
+        "cs_class": "X",
         "names": ["x"],
         "releases": {"hf": ["2.1", "2.9"], "cs": ["2.1", "2.9"]},
         "checkpoint": {"keys": [{"hf": "a", "cs": "b", "transform": "nope"}]},

@@ -1,4 +1,8 @@
-"""Container commands: ``inspect``, ``convert``, ``plan``, ``formats``."""
+"""Container commands: ``inspect`` (``info``), ``convert``, ``diff``, ``plan``, ``formats``.
+
+``convert`` given ``--model``/``--src-fmt``/``--tgt-fmt`` is the Model Zoo's ``convert_checkpoint.py
+convert`` form: the model conversion of ``convert-model``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,9 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from ckptconv.cli.models import MODEL_ONLY_OPTIONS, model_conversion_arguments
+from ckptconv.core.errors import InvalidRequest
 
 DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -26,25 +33,55 @@ def dtype_arg(value: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="show a checkpoint's format, release, keys, dtypes and shapes")
+    p = sub.add_parser("inspect", aliases=["info"], help="show a checkpoint's format, release, keys, dtypes and shapes")
     p.add_argument("uri", help="local path or s3://bucket/key (file, index file, or directory)")
     p.add_argument("--from", dest="source_format", help="source format (default: detected)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("convert", help="convert a checkpoint between container formats, verifying the result")
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint between container formats (SRC DST --to FMT) or, given --model/--src-fmt/"
+        "--tgt-fmt, between model layouts (as convert-model)",
+    )
     p.add_argument("source", help="local path or s3://bucket/key of the source checkpoint")
-    p.add_argument("target", help="where to write (a file for cs-h5, a directory or file for safetensors/torch)")
+    p.add_argument(
+        "target", nargs="?", help="where to write (a file for cs-h5, a directory or file for safetensors/torch)"
+    )
     p.add_argument("--to", dest="to", help="target format (cs-h5, safetensors, torch, tf, cs-s3)")
     p.add_argument("--from", dest="source_format", help="source format (default: detected)")
     p.add_argument("--shard-size", help="split the output into shards of at most this size (e.g. 5GB, 500MiB)")
     p.add_argument("--dtype", type=dtype_arg, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
     p.add_argument("--no-verify", action="store_true", help="skip re-reading the output (not recommended)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", "--no-progress-bar", action="store_true", help="no progress bar")
     p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    model_conversion_arguments(p, required=False)
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "diff",
+        help="compare two checkpoints (any formats) tensor by tensor; exit status 1 when they differ",
+    )
+    p.add_argument("a", help="first checkpoint (local path or s3://)")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--from-a", dest="format_a", help="format of the first (default: detected)")
+    p.add_argument("--from-b", dest="format_b", help="format of the second (default: detected)")
+    p.add_argument(
+        "--tensor_comparison_op",
+        "--tensor-comparison-op",
+        dest="op",
+        choices=["equal", "allclose"],
+        default="equal",
+        help="equal: bit for bit (default); allclose: within --rtol/--atol",
+    )
+    p.add_argument("--rtol", type=float, default=1e-5, help="allclose relative tolerance (default 1e-5)")
+    p.add_argument("--atol", type=float, default=1e-8, help="allclose absolute tolerance (default 1e-8)")
+    p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("plan", help="dry run: what a conversion would write, from metadata only")
     p.add_argument("source")
@@ -160,6 +197,19 @@ def print_result(result: dict[str, Any], as_json: bool) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from ckptconv.engine.convert import convert
 
+    if args.model or args.src_fmt or args.tgt_fmt:
+        return _convert_model_form(args)
+    if args.target is None:
+        raise InvalidRequest(
+            "convert needs a target: convert SRC DST --to FORMAT",
+            hint="for a model conversion give --model, --src-fmt and --tgt-fmt (see convert-model)",
+        )
+    stray = [f"--{n.replace('_', '-')}" for n in MODEL_ONLY_OPTIONS if getattr(args, n) not in (None, False)]
+    if stray:
+        raise InvalidRequest(
+            f"{', '.join(stray)} belong to a model conversion",
+            hint="add --model, --src-fmt and --tgt-fmt, or run convert-model",
+        )
     bar = _Bar(not args.no_progress)
     try:
         result = convert(
@@ -205,3 +255,74 @@ def cmd_formats(args: argparse.Namespace) -> int:
         rw = ("r" if r["read"] else "-") + ("w" if r["write"] else "-")
         print(f"{r['name']:<12} {rw}  {r['description']}")
     return 0
+
+
+def _convert_model_form(args: argparse.Namespace) -> int:
+    """``convert --model M --src-fmt F --tgt-fmt G [--output-dir D] CKPT``: the model conversion."""
+    from ckptconv.cli.models import output_dir_of, run_model_conversion
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "src_fmt", "tgt_fmt") if not getattr(args, n)]
+    if missing:
+        raise InvalidRequest(
+            f"a model conversion needs {', '.join(missing)} too",
+            hint="give --model, --src-fmt and --tgt-fmt (see `ckptconv models`), or convert SRC DST --to FORMAT",
+        )
+    container = {
+        "--to": args.to,
+        "--from": args.source_format,
+        "--shard-size": args.shard_size,
+        "--dtype": args.dtype,
+        "--no-verify": args.no_verify,
+        "--allow-incomplete": args.allow_incomplete,
+    }
+    stray = [flag for flag, value in container.items() if value not in (None, False)]
+    if stray:
+        raise InvalidRequest(
+            f"{', '.join(stray)} belong to a container conversion, not a model conversion",
+            hint="a model conversion takes --hf-shard-size and --export-safetensors (see convert-model --help)",
+        )
+    return run_model_conversion(args, output_dir_of(args, args.target))
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from ckptconv.engine.diff import diff_checkpoints
+
+    bar = _Bar(not (args.no_progress or args.json))
+    try:
+        result = diff_checkpoints(
+            args.a,
+            args.b,
+            format_a=args.format_a,
+            format_b=args.format_b,
+            op=args.op,
+            rtol=args.rtol,
+            atol=args.atol,
+            progress=bar,
+            allow_incomplete=args.allow_incomplete or None,
+        )
+    finally:
+        bar.close()
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        print()
+        return 0 if result.identical else 1
+    for key in result.only_in_a:
+        print(f"only in A: {key}")
+    for key in result.only_in_b:
+        print(f"only in B: {key}")
+    for d in result.differences:
+        for what in d.what:
+            if what == "values":
+                sizes = ""
+                if d.max_abs_diff is not None:
+                    sizes = f"  max |a-b| {d.max_abs_diff:.6g}, max relative {d.max_rel_diff:.6g}"
+                print(f"values:    {d.key}{sizes}")
+            else:
+                print(f"{what + ':':<10} {d.key}  {d.a.get(what)} vs {d.b.get(what)}")
+    same = result.compared - len(result.differences)
+    print(
+        f"A: {result.a}\nB: {result.b}\n{result.compared} keys in both ({result.op}): {same} same, "
+        f"{len(result.differences)} different; {len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B"
+    )
+    print("identical" if result.identical else "checkpoints differ")
+    return 0 if result.identical else 1

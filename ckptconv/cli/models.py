@@ -12,41 +12,30 @@ import json
 import sys
 from typing import Any
 
+from ckptconv.core.errors import InvalidRequest
+
 FORMAT_HELP = "hf, cs-X.Y (cs-1.6 ... cs-2.9), cs-auto (source: detect), cs-current (target: cs-2.9)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list the model names and the layouts each converts between")
-    p.add_argument("name", nargs="?", help="show one model: family, formats, key rules")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_models)
+    # `list-converters` (and its older name `list`) is the Model Zoo's spelling of the same view.
+    for name, aliases in (("models", []), ("list-converters", ["list"])):
+        p = sub.add_parser(
+            name, aliases=aliases, help="list the model names, their classes and the layouts each converts between"
+        )
+        p.add_argument("name", nargs="?", help="show one model: family, classes, formats, key rules ('all': the list)")
+        p.add_argument("--hide-notes", action="store_true", help="leave out the notes")
+        p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(func=cmd_models)
 
     p = sub.add_parser(
         "convert-model",
         help="convert a checkpoint and its config between Hugging Face and Cerebras Model Zoo layouts",
     )
     p.add_argument("source", help="checkpoint: HF file / index / directory, or a Cerebras .mdl (local or s3://)")
-    p.add_argument("output_dir", nargs="?", help="output directory (default: beside the input)")
-    p.add_argument("--model", required=True, help="Model Zoo model name (see `ckptconv models`)")
-    p.add_argument("--src-fmt", required=True, help=f"source layout: {FORMAT_HELP}")
-    p.add_argument("--tgt-fmt", required=True, help=f"target layout: {FORMAT_HELP}")
-    p.add_argument(
-        "--config",
-        help="HF config.json or Cerebras YAML (default: config.json beside an HF input, "
-        "or the params recorded in a Cerebras checkpoint)",
-    )
-    p.add_argument("--drop-unmatched-keys", action="store_true", help="drop keys no rule matches instead of failing")
-    p.add_argument("--export-safetensors", action="store_true", help="write safetensors shards for HF outputs")
-    p.add_argument("--hf-shard-size", default="10GB", help="largest HF output shard (default 10GB; GB/GiB/MB/...)")
-    p.add_argument("--fold-lora", action="store_true", help="fold LoRA adapters (lora_A/lora_B) into the weights")
-    p.add_argument("--no-fold-mup", action="store_true", help="refuse muP checkpoints instead of folding them")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="also run the appliance simulator on the result and compare logits with transformers",
-    )
-    p.add_argument("--dry-run", action="store_true", help="print the plan (keys, recipes, config) and write nothing")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("output_dir_pos", nargs="?", metavar="output_dir", help="same as --output-dir")
+    model_conversion_arguments(p, required=True)
+    p.add_argument("--no-progress", "--no-progress-bar", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_convert_model)
 
@@ -60,6 +49,54 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_convert_config)
 
 
+# Options of a model conversion that a container conversion (`convert SRC DST --to F`) has not.
+MODEL_ONLY_OPTIONS = (
+    "config",
+    "output_dir",
+    "drop_unmatched_keys",
+    "export_safetensors",
+    "hf_shard_size",
+    "fold_lora",
+    "no_fold_mup",
+    "verify",
+    "dry_run",
+)
+
+
+def model_conversion_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """The options of a model conversion, spelled as the Model Zoo's ``convert_checkpoint.py convert``
+    spells them; shared by ``convert-model`` and the model form of ``convert``."""
+    p.add_argument("--model", required=required, help="Model Zoo model name (see `ckptconv models`)")
+    p.add_argument("--src-fmt", required=required, help=f"source layout: {FORMAT_HELP}")
+    p.add_argument("--tgt-fmt", required=required, help=f"target layout: {FORMAT_HELP}")
+    p.add_argument(
+        "--config",
+        help="HF config.json or Cerebras YAML (default: config.json beside an HF input, "
+        "or the params recorded in a Cerebras checkpoint)",
+    )
+    p.add_argument("--output-dir", help="output directory (default: beside the input)")
+    p.add_argument("--drop-unmatched-keys", action="store_true", help="drop keys no rule matches instead of failing")
+    p.add_argument("--export-safetensors", action="store_true", help="write safetensors shards for HF outputs")
+    p.add_argument("--hf-shard-size", help="largest HF output shard (default 10GB; GB/GiB/MB/...)")
+    p.add_argument("--fold-lora", action="store_true", help="fold LoRA adapters (lora_A/lora_B) into the weights")
+    p.add_argument("--no-fold-mup", action="store_true", help="refuse muP checkpoints instead of folding them")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the appliance simulator on the result and compare logits with transformers",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan (keys, recipes, config) and write nothing")
+
+
+def output_dir_of(args: argparse.Namespace, positional: str | None) -> str | None:
+    """The output directory given positionally or with --output-dir (not two different ones)."""
+    if positional and args.output_dir and positional != args.output_dir:
+        raise InvalidRequest(
+            f"two output directories: {positional} and --output-dir {args.output_dir}", hint="give one of them"
+        )
+    return positional or args.output_dir
+
+
 def _formats_short(formats: list[str]) -> str:
     cs = [f for f in formats if f.startswith("cs-")]
     parts = [f for f in formats if not f.startswith("cs-")]
@@ -68,11 +105,18 @@ def _formats_short(formats: list[str]) -> str:
     return ", ".join(parts)
 
 
+def _classes(m: dict[str, Any]) -> str:
+    """``HF class <-> CS class`` of a model (``-`` for a side it has no class on)."""
+    return f"{', '.join(m.get('hf_architectures') or []) or '-'} <-> {m.get('cs_class') or '-'}"
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from ckptconv.engine.layouts.registry import describe_model, list_models
 
-    if args.name:
+    if args.name and args.name.lower() != "all":
         view = describe_model(args.name)
+        if args.hide_notes:
+            view.pop("notes", None)
         if args.json:
             json.dump(view, sys.stdout, indent=2)
             print()
@@ -84,32 +128,43 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"family:   {view['family']} - {view['description']}")
         print(f"formats:  {', '.join(view['formats'])}")
         print(f"HF class: {', '.join(view.get('hf_architectures') or []) or '-'}")
+        print(f"CS class: {view.get('cs_class') or '-'}")
         for n in view.get("notes", []):
             print(f"note:     {n}")
-        print("key rules (Hugging Face <-> Cerebras):")
+        sides = "Hugging Face <-> Cerebras" if "hf" in view["formats"] else "cs-1.6 <-> later Cerebras releases"
+        print(f"key rules ({sides}):")
         for r in view["key_rules"]:
             print(f"  {r}")
         return 0
     models = list_models()
+    if args.hide_notes:
+        for m in models:
+            m.pop("notes", None)
     if args.json:
         json.dump({"models": models}, sys.stdout, indent=2)
         print()
         return 0
     width = max(len(m["name"]) for m in models)
-    print(f"{'model':<{width}}  {'family':<11} formats")
+    print(f"{'model':<{width}}  {'family':<11} {'formats':<20} classes (Hugging Face <-> Cerebras)")
     for m in models:
         if not m["supported"]:
             print(f"{m['name']:<{width}}  {'-':<11} not convertible: {m['reason']}")
             continue
         if m["family"] is None:  # a wrapper of another model (dpo)
-            print(f"{m['name']:<{width}}  {'-':<11} {m['description']}")
-            continue
-        alias = f"  (= {m['alias_of']})" if m.get("alias_of") else ""
-        print(f"{m['name']:<{width}}  {m['family']:<11} {_formats_short(m['formats'])}{alias}")
+            print(f"{m['name']:<{width}}  {'-':<11} {m['description']}  [{_classes(m)}]")
+        else:
+            alias = f"  (= {m['alias_of']})" if m.get("alias_of") else ""
+            print(f"{m['name']:<{width}}  {m['family']:<11} {_formats_short(m['formats']):<20} {_classes(m)}{alias}")
+        for n in m.get("notes") or []:
+            print(f"{'':<{width}}    note: {n}")
     return 0
 
 
 def cmd_convert_model(args: argparse.Namespace) -> int:
+    return run_model_conversion(args, output_dir_of(args, args.output_dir_pos))
+
+
+def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> int:
     from ckptconv.cli.engine import _Bar, print_result
 
     options: dict[str, Any] = {
@@ -141,9 +196,9 @@ def cmd_convert_model(args: argparse.Namespace) -> int:
     try:
         result = convert_model(
             args.source,
-            args.output_dir,
+            output_dir,
             export_safetensors=args.export_safetensors,
-            hf_shard_size=args.hf_shard_size,
+            **({"hf_shard_size": args.hf_shard_size} if args.hf_shard_size else {}),
             progress=bar,
             **options,
         )

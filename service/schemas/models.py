@@ -12,7 +12,8 @@ class Model(BaseModel):
     description: str | None = None
     headless: bool = False
     formats: list[str] = Field(description="layouts it converts between: hf and cs-X.Y releases")
-    hf_architectures: list[str] = []
+    hf_architectures: list[str] = Field(default=[], description="Hugging Face class(es) of the model")
+    cs_class: str | None = Field(default=None, description="the Cerebras Model Zoo class of the model")
     alias_of: str | None = None
     head: str | None = None
     notes: list[str] = []

@@ -209,6 +209,16 @@ def _config_for(source: Any, config: Any, src_fmt: str) -> tuple[dict[str, Any] 
     return doc, uri
 
 
+def _warn_unmapped_config_keys(plan: Plan, conf: ConfigResult) -> None:
+    """Config keys no rule maps are left out of the converted config, as the Model Zoo leaves them
+    (it logs "Key not matched"); say which, so a lost setting is not a surprise."""
+    if conf.ignored:
+        plan.warnings.append(
+            f"{len(conf.ignored)} config keys not converted (Key not matched: no rule maps them): "
+            + ", ".join(conf.ignored)
+        )
+
+
 def plan_model(
     src: Any,
     *,
@@ -223,7 +233,8 @@ def plan_model(
     source, opened = _open(src, model, src_fmt)
     try:
         doc, _ = _config_for(source, config, src_fmt)
-        plan, _ = build_plan(source, doc, _request(model, src_fmt, tgt_fmt, options), strict=False)
+        plan, conf = build_plan(source, doc, _request(model, src_fmt, tgt_fmt, options), strict=False)
+        _warn_unmapped_config_keys(plan, conf)
         return plan
     finally:
         if opened:
@@ -263,6 +274,7 @@ def convert_model(
             {"drop_unmatched_keys": drop_unmatched_keys, "fold_lora": fold_lora, "fold_mup": fold_mup},
         )
         plan, conf = build_plan(source, doc, req)
+        _warn_unmapped_config_keys(plan, conf)
         tgt_node = plan.extras["target_format"]
         target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
         components = plan.extras.get("components")

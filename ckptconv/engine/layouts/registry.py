@@ -6,7 +6,8 @@ process lists models from it.
 
 Table fields (see ``families/llama.yaml`` for a complete example):
 
-- ``family``, ``description``, ``cs_name`` (the registry name written as ``name:`` in CS configs);
+- ``family``, ``description``, ``cs_name`` (the registry name written as ``name:`` in CS configs),
+  ``cs_class`` (the Model Zoo class that builds the model);
 - ``names``: Model Zoo names sharing the table; ``headless: {prefix: ...}`` adds ``<name>-headless``
   for each (HF base model without the prefix; the CS LM head is synthesized on import);
 - ``releases``: ``hf: [lo, hi]`` releases the HF converter reaches directly, ``cs: [lo, hi]``
@@ -18,7 +19,7 @@ Table fields (see ``families/llama.yaml`` for a complete example):
 - ``extends: <family>`` reuses another table, with ``checkpoint_add`` (rules tried first) and
   ``config_add`` (fields appended, sets and consts merged) for the differences;
 - ``variants``: further names with a ``head`` (fine-tuning heads), a CS prefix rewrite, rules to
-  omit and extra rules.
+  omit and extra rules, their own ``cs_class``, and ``notes`` replacing the family's.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Family:
     name: str
     description: str
     cs_name: str
+    cs_class: str
     names: list[str]
     headless_prefix: str | None
     hf_releases: list[str]
@@ -114,6 +116,7 @@ _TOP_FIELDS = {
     "family",
     "description",
     "cs_name",
+    "cs_class",
     "names",
     "headless",
     "releases",
@@ -223,7 +226,7 @@ def _build_family(raw: dict[str, Any], path: str) -> Family:
     unknown = set(raw) - _TOP_FIELDS
     if unknown:
         raise TableError(f"{path}: unknown top-level fields {sorted(unknown)}")
-    for req in ("family", "names", "releases", "checkpoint", "config"):
+    for req in ("family", "cs_class", "names", "releases", "checkpoint", "config"):
         if req not in raw:
             raise TableError(f"{path}: missing `{req}`")
     rel = raw["releases"]
@@ -235,6 +238,7 @@ def _build_family(raw: dict[str, Any], path: str) -> Family:
         name=raw["family"],
         description=raw.get("description", ""),
         cs_name=raw.get("cs_name", raw["family"]),
+        cs_class=raw["cs_class"],
         names=list(raw["names"]),
         headless_prefix=(raw.get("headless") or {}).get("prefix") if raw.get("headless") else None,
         hf_releases=hf_rel,
@@ -259,6 +263,8 @@ def _build_family(raw: dict[str, Any], path: str) -> Family:
             "config_add",
             "hf",
             "note",
+            "notes",
+            "cs_class",
             "releases",
             "headless",
         }
@@ -333,6 +339,8 @@ class Wrapper:
     formats: tuple[str, ...]
     note: str
     key_rules: tuple[str, ...]
+    cs_class: str  # the Model Zoo class of the whole (the wrapped models keep theirs)
+    hf_classes: tuple[str, ...] = ()
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -346,6 +354,7 @@ WRAPPERS: dict[str, Wrapper] = {
             "model.<key> (the wrapped model's Cerebras key) <-> model.policy_model.model.<key>",
             "model.ref_model.model.<key>: written as a link to the policy tensor; dropped towards hf / no-dpo",
         ),
+        "DPOModel",
     ),
     "dpr": Wrapper(
         "hf (q_encoder/ + ctx_encoder/) <-> cs-2.2 ... cs-2.9",
@@ -357,6 +366,8 @@ WRAPPERS: dict[str, Wrapper] = {
             "q_encoder/ question_encoder.bert_model.<BERT key> <-> model.question_encoder.<encoder key> (bert table)",
             "ctx_encoder/ ctx_encoder.bert_model.<BERT key> <-> model.ctx_encoder.<encoder key> (bert table)",
         ),
+        "DPRModel",
+        ("DPRQuestionEncoder", "DPRContextEncoder"),
     ),
     "llava": Wrapper(
         "hf (image_model/ + text_model/) <-> cs-2.2 ... cs-2.9",
@@ -372,6 +383,8 @@ WRAPPERS: dict[str, Wrapper] = {
             "text_model/ model.mm_projector.<2n>.<wb> <-> model.projector_image_model.ffn.<n>.linear_layer.<wb>",
             "text_model/ model.vision_tower.*: dropped (the tower comes from image_model/)",
         ),
+        "LlavaModel",
+        ("CLIPVisionModel", "LlavaLlamaForCausalLM"),
     ),
 }
 
@@ -552,11 +565,14 @@ def list_models() -> list[dict[str, Any]]:
                     "supported": True,
                     "description": WRAPPERS[name].summary,
                     "formats": list(WRAPPERS[name].formats),
+                    "hf_architectures": list(WRAPPERS[name].hf_classes),
+                    "cs_class": WRAPPERS[name].cs_class,
                     "notes": [v.note],
                 }
             )
             continue
         fam = fams[v.family]
+        vt = fam.variant_table(v.name)
         entry: dict[str, Any] = {
             "name": name,
             "family": fam.name,
@@ -565,12 +581,13 @@ def list_models() -> list[dict[str, Any]]:
             "headless": v.headless,
             "formats": formats_of(fam, v),
             "hf_architectures": _architectures(fam, v),
+            "cs_class": (vt or {}).get("cs_class", fam.cs_class),
         }
         if v.alias_of:
             entry["alias_of"] = v.alias_of
         if v.head:
             entry["head"] = v.head
-        notes = list(fam.notes)
+        notes = list((vt or {}).get("notes", fam.notes))
         if v.note:
             notes.append(v.note)
         if notes:
@@ -580,6 +597,8 @@ def list_models() -> list[dict[str, Any]]:
 
 
 def _architectures(fam: Family, v: Variant) -> list[str]:
+    if "hf" not in formats_of(fam, v):
+        return []  # a Cerebras-only model
     vt = fam.variant_table(v.name)
     if vt and (vt.get("hf") or {}).get("architectures"):
         return list(vt["hf"]["architectures"])
