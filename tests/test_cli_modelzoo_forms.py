@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import tiny_llama as tiny_llama_model
 
 from ckptconv.cli import main
 
@@ -17,18 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("llama") / "hf"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tiny_llama_model().save_pretrained(path)
     return path
 
 

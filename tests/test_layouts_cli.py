@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from tiny_models import tiny_llama as tiny_llama_model
 
 from ckptconv.cli import main
 
@@ -18,17 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture
 def tiny_llama(tmp_path: Path) -> Path:
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    tiny_llama_model().save_pretrained(tmp_path / "hf")
     return tmp_path / "hf"
 
 

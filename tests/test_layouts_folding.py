@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_models import tiny_llama_config
 
 from ckptconv.core.errors import ConfigConversionError, ConversionError
 from ckptconv.engine.layouts import convert_model
@@ -23,17 +24,7 @@ def _tiny(model: str):
     if model == "gpt2":
         m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128))
     else:
-        m = T.LlamaForCausalLM(
-            T.LlamaConfig(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=128,
-            )
-        )
+        m = T.LlamaForCausalLM(tiny_llama_config())
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)

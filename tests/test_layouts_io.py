@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from ckptconv.engine.layouts import convert_model, plan_model
 
@@ -16,17 +17,7 @@ T = transformers
 
 
 def _llama(dtype: torch.dtype = torch.float32) -> object:
-    cfg = T.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return T.LlamaForCausalLM(cfg).to(dtype).eval()
+    return tiny_llama(dtype)
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
