@@ -21,7 +21,7 @@ import json
 import posixpath
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import ConfigConversionError, InvalidRequest, NoConversionPath, ObjectNotFound
 from ckptconv.engine.layouts import dpo, dpr, llava, upgrades
@@ -30,6 +30,10 @@ from ckptconv.engine.layouts.dpo import parse_model_format
 from ckptconv.engine.layouts.planner import ConfigResult, Request, build_plan, convert_config_doc
 from ckptconv.engine.layouts.registry import resolve
 from ckptconv.engine.plan import Plan
+
+if TYPE_CHECKING:  # for annotations only: planning and listing never load the runner
+    from ckptconv.engine.execute import Progress
+    from ckptconv.engine.run import ConvertResult
 
 DEFAULT_HF_SHARD_SIZE = "10GB"
 # Models whose Hugging Face side is several model directories, by name: their module says which
@@ -255,11 +259,11 @@ def convert_model(
     fold_lora: bool = False,
     fold_mup: bool = True,
     verify: bool = True,
-    progress: Callable[..., None] | None = None,
+    progress: Callable[[Progress], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     job_id: str | None = None,
     staging: str | None = None,
-) -> Any:
+) -> ConvertResult:
     """Convert a checkpoint between model layouts; ``dst`` is the output directory (default:
     beside the input). Returns the engine's ConvertResult (outputs, manifest, warnings)."""
     from ckptconv.engine.run import run_plan
