@@ -39,8 +39,9 @@ import torch
 import yaml
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
+from ckptconv.core.releases import RELEASES, release_key
 from ckptconv.engine.layouts import convert_model
-from ckptconv.engine.layouts.registry import RELEASES, families, release_key, resolve
+from ckptconv.engine.layouts.registry import families, resolve
 
 transformers = pytest.importorskip("transformers")
 

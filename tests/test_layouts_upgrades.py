@@ -10,9 +10,10 @@ import torch
 import yaml
 
 from ckptconv.core.errors import DataloaderStateError, NoConversionPath
+from ckptconv.core.releases import known_release
 from ckptconv.engine.layouts import convert_config_dict, convert_model, plan_model
 from ckptconv.engine.layouts.registry import families
-from ckptconv.engine.layouts.upgrades import find_path, parse_format, rename_key, version_to_release
+from ckptconv.engine.layouts.upgrades import find_path, parse_format, rename_key
 
 
 def test_formats() -> None:
@@ -22,7 +23,7 @@ def test_formats() -> None:
     for bad, side in [("cs-auto", "target"), ("cs-current", "source"), ("cs-3.0", "target"), ("tf", "source")]:
         with pytest.raises(NoConversionPath):
             parse_format(bad, side=side)
-    assert version_to_release("2.4.0") == "2.4" and version_to_release("2.10.0") is None
+    assert known_release("2.4.0") == "2.4" and known_release("2.10.0") is None
 
 
 def test_paths_are_single_passes_through_the_graph() -> None:

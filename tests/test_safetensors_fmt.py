@@ -28,13 +28,13 @@ from ckptconv.core.errors import (
     UnsupportedDtype,
     UnsupportedValue,
 )
+from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OpaqueObject
 from ckptconv.formats.safetensors_fmt import ST_DTYPES, SafetensorsSink, SafetensorsSource
 from ckptconv.formats.sharding import (
     SAFETENSORS,
     TORCH,
     index_bytes,
-    parse_size,
     plan_shards,
     read_index,
     split_by_size,

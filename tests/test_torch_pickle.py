@@ -21,8 +21,9 @@ from cstorch_tree import assert_same_tree, copy_checkpoint, describe, entries_fr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat, UnsupportedValue
-from ckptconv.formats.base import DTYPE_SIZES, Entry
+from ckptconv.formats.base import Entry
 from ckptconv.formats.torch_pickle import TorchSink, TorchSource, describe_pickle
 from ckptconv.formats.tree import TreeSpec, flatten
 from ckptconv.storage import open_storage

@@ -12,12 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptconv.core.errors import CkptconvError, InvalidRequest
+from ckptconv.core.sizes import parse_size
 from ckptconv.engine.execute import Progress
 from ckptconv.engine.plan import Plan, identity_plan
 from ckptconv.engine.run import ConvertResult, jsonable, run_plan, source_facts
 from ckptconv.formats import sink_class
 from ckptconv.formats.detect import check_format, open_source, target_format_from_name
-from ckptconv.formats.sharding import parse_size, plan_shards
+from ckptconv.formats.sharding import plan_shards
 
 __all__ = ["convert", "inspect", "plan_conversion"]
 

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckptconv.core.dtypes import DTYPE_SIZES, is_float_dtype
 from ckptconv.core.errors import UnsupportedDtype
-from ckptconv.formats.base import DTYPE_SIZES, Entry
+from ckptconv.formats.base import Entry
 from ckptconv.formats.tree import TreeSpec
 
 
@@ -206,21 +207,17 @@ def identity_plan(
             cast is not None
             and e.kind in CASTABLE_KINDS
             and e.dtype != dtype
-            and _is_float(e.dtype)
+            and is_float_dtype(e.dtype)
             and (only is None or e.dtype in only)
         ):
             steps.append(Step(replace(e, dtype=dtype), (e.key,), cast))
         else:
             steps.append(Step(e, (e.key,)))
     if cast is not None:
-        kept = sorted({e.dtype for e in entries if e.kind in CASTABLE_KINDS and not _is_float(e.dtype)})
+        kept = sorted({e.dtype for e in entries if e.kind in CASTABLE_KINDS and not is_float_dtype(e.dtype)})
         if kept:
             warnings.append(f"non-floating tensors keep their dtype ({', '.join(str(d) for d in kept)})")
     return Plan(steps, spec, warnings=warnings)
-
-
-def _is_float(dtype: str | None) -> bool:
-    return dtype is not None and (dtype.startswith("float") or dtype.startswith("bfloat"))
 
 
 def numel(shape: Sequence[int]) -> int:

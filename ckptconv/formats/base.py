@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import UnsupportedDtype
 
 if TYPE_CHECKING:
@@ -42,34 +43,6 @@ if TYPE_CHECKING:
     from ckptconv.storage.base import Storage
 
 EntryKind = Literal["tensor", "array", "value", "object", "link"]
-
-# dtype names used across ckptconv: torch's names without the "torch." prefix.
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint64": 8,
-    "uint32": 4,
-    "uint16": 2,
-    "uint8": 1,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "complex64": 8,
-    "complex128": 16,
-}
-
-
-def dtype_size(dtype: str) -> int:
-    try:
-        return DTYPE_SIZES[dtype]
-    except KeyError:
-        raise UnsupportedDtype(f"unknown dtype {dtype!r}") from None
 
 
 def torch_dtype(name: str) -> torch.dtype:

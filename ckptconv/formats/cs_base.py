@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ckptconv.core.errors import ConversionError, CorruptCheckpoint, KeyCollision, UnsupportedDtype, UnsupportedValue
+from ckptconv.core.releases import release_name
 from ckptconv.formats import restricted_pickle
 from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, dtype_name, torch_dtype
 from ckptconv.formats.cs_serializers import (
@@ -39,12 +40,8 @@ LEGACY_RELEASES = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
 
 def release_of(cstorch_version: Any, format_version: float | None) -> str | None:
     """``"2.10"`` from ``"2.10.0"``; without a cstorch version, the §0 map of format versions."""
-    if isinstance(cstorch_version, bytes):
-        cstorch_version = cstorch_version.decode("utf-8", "replace")
-    if isinstance(cstorch_version, str):
-        parts = cstorch_version.split("+")[0].split(".")
-        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
-            return f"{int(parts[0])}.{int(parts[1])}"
+    if isinstance(cstorch_version, str | bytes) and (name := release_name(cstorch_version)):
+        return name
     if format_version is not None:
         for v, rel in LEGACY_RELEASES.items():
             if abs(format_version - v) < 1e-9:

@@ -21,13 +21,14 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import (
     CorruptCheckpoint,
     UnsupportedDtype,
     UnsupportedFormat,
     UnsupportedValue,
 )
-from ckptconv.formats.base import DTYPE_SIZES, Entry, EntryKind, OpaqueObject
+from ckptconv.formats.base import Entry, EntryKind, OpaqueObject
 from ckptconv.formats.tree import DICT, LEAF, NAMEDTUPLE, TreeSpec, skeleton
 
 FORMAT_VERSION = 0.5

@@ -33,13 +33,13 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import (
     CorruptCheckpoint,
     UnsupportedDtype,
     UnsupportedValue,
 )
 from ckptconv.formats.base import (
-    DTYPE_SIZES,
     Entry,
     OpaqueObject,
     OutputFile,

@@ -1,6 +1,5 @@
 """What the Hugging Face style formats (safetensors, PyTorch pickles) share.
 
-- sizes: ``parse_size("5GB")`` (decimal units GB/MB/KB, binary GiB/MiB/KiB, or plain bytes);
 - splitting: :func:`split_by_size` groups an ordered list into shards the way ``transformers``
   does (a new shard starts when the next item would exceed the limit; an item larger than the
   limit sits alone), keeping the input order so a sink only ever has one shard open;
@@ -21,12 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound, UnsupportedFormat
+from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
 from ckptconv.formats.tree import TreeSpec
 
@@ -36,20 +35,6 @@ if TYPE_CHECKING:
     from ckptconv.storage.base import Storage, Writer
 
 T = TypeVar("T")
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
 
 # Index files are JSON that is parsed whole; real ones are a few MB even for 100k tensors.
 MAX_INDEX_BYTES = 256 << 20
@@ -85,28 +70,6 @@ class ShardNaming:
 SAFETENSORS = ShardNaming("model", "safetensors")
 TORCH = ShardNaming("pytorch_model", "bin")
 NAMING = {"safetensors": SAFETENSORS, "torch": TORCH}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from ``5GB`` (10^9), ``5GiB`` (2^30), ``500MiB``, ``"1024"`` or an int. Must be > 0."""
-    if isinstance(size, bool):
-        raise InvalidRequest(f"invalid size {size!r}")
-    if isinstance(size, int):
-        value = size
-    elif isinstance(size, str):
-        m = _SIZE.fullmatch(size)
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _UNITS:
-            raise InvalidRequest(
-                f"invalid size {size!r}",
-                hint="write a size as bytes or with a unit: 5GB, 500MB, 2GiB, 512MiB, 64KiB",
-            )
-        value = int(float(m.group(1)) * _UNITS[unit])
-    else:
-        raise InvalidRequest(f"invalid size {size!r}")
-    if value <= 0:
-        raise InvalidRequest(f"size must be positive, got {size!r}")
-    return value
 
 
 def split_by_size(items: Iterable[T], size: Callable[[T], int], limit: int | None) -> list[list[T]]:

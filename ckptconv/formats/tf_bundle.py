@@ -43,6 +43,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import (
     ConversionError,
     CorruptCheckpoint,
@@ -54,7 +55,8 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
-from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, TensorSink, TensorSource, dtype_size
+from ckptconv.core.sizes import parse_size
+from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, TensorSink, TensorSource
 from ckptconv.formats.tf_proto import (
     BIG,
     DT_STRING,
@@ -749,7 +751,7 @@ class TfSink(TensorSink):
         return key if key in self._by_key else None
 
     def _assign_shards(self, stored: list[_Item]) -> None:
-        from ckptconv.formats.sharding import parse_size, split_by_size
+        from ckptconv.formats.sharding import split_by_size
 
         num = self.options.get("num_shards")
         size = self.options.get("shard_size")

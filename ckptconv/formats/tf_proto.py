@@ -25,7 +25,7 @@ DT_STRING = 7
 DT_RESOURCE = 20
 DT_VARIANT = 21
 
-# TF DataType enum value -> ckptconv dtype name (see ckptconv.formats.base.DTYPE_SIZES).
+# TF DataType enum value -> ckptconv dtype name (see ckptconv.core.dtypes.DTYPE_SIZES).
 TF_TO_DTYPE: dict[int, str] = {
     1: "float32",  # DT_FLOAT
     2: "float64",  # DT_DOUBLE

@@ -37,6 +37,7 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -46,7 +47,6 @@ from ckptconv.core.errors import (
     UnsupportedValue,
 )
 from ckptconv.formats.base import (
-    DTYPE_SIZES,
     Entry,
     OpaqueObject,
     OutputFile,

@@ -26,8 +26,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import CkptconvError, UnknownJobKind
-from ckptconv.formats.base import DTYPE_SIZES
+from ckptconv.core.sizes import parse_size
 
 
 class StorageUriMarker:
@@ -134,8 +135,6 @@ class ConvertOptions(KindOptions):
     def _size(cls, value: int | str | None) -> int | str | None:
         if value is None:
             return value
-        from ckptconv.formats.sharding import parse_size
-
         try:
             parse_size(value)
         except CkptconvError as e:
@@ -194,7 +193,7 @@ class ConvertModelOptions(KindOptions):
     @field_validator("src_fmt", "tgt_fmt")
     @classmethod
     def _layout(cls, value: str, info: Any) -> str:
-        from ckptconv.engine.layouts.dpo import parse_model_format
+        from ckptconv.engine.layouts.upgrades import parse_model_format  # torch-free: tables only
 
         try:
             parse_model_format(value, side="source" if info.field_name == "src_fmt" else "target")

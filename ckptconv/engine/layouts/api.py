@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from ckptconv.core.errors import ConfigConversionError, InvalidRequest, NoConversionPath, ObjectNotFound
 from ckptconv.engine.layouts import dpo, dpr, llava, upgrades
 from ckptconv.engine.layouts.config import dump_cs_yaml, dump_hf_json
-from ckptconv.engine.layouts.dpo import parse_model_format
 from ckptconv.engine.layouts.planner import ConfigResult, Request, build_plan, convert_config_doc
 from ckptconv.engine.layouts.registry import resolve
+from ckptconv.engine.layouts.upgrades import parse_model_format
 from ckptconv.engine.plan import Plan
 
 if TYPE_CHECKING:  # for annotations only: planning and listing never load the runner

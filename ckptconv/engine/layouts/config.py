@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError
+from ckptconv.core.releases import release_key
 from ckptconv.engine.layouts.rules import TableError
 
 MISSING = object()
@@ -318,9 +319,9 @@ def import_config(
         set_path(cs, k, copy.deepcopy(table.cs_consts[k]))
     for k, v in table.import_sets.items():
         set_path(cs, k, copy.deepcopy(v))
-    if _release_tuple(release) > (2, 3) and "name" not in cs:
+    if release_key(release) > (2, 3) and "name" not in cs:
         cs["name"] = registry_name
-    if "use_bfloat16" in src and (2, 1) <= _release_tuple(release) <= (2, 3):
+    if "use_bfloat16" in src and (2, 1) <= release_key(release) <= (2, 3):
         cs["fp16_type"] = "bfloat16" if src["use_bfloat16"] else "float16"
     if "rope_parameters" in hf:
         used.update(("rope_parameters", *[k for k in ("rope_theta", "rope_scaling") if k in used]))
@@ -393,11 +394,6 @@ def _run_hook(fn: Hook, src: dict[str, Any], out: dict[str, Any], ctx: Ctx, side
             key=key,
             hint="check --model and that the config belongs to this checkpoint",
         ) from None
-
-
-def _release_tuple(release: str) -> tuple[int, int]:
-    major, minor = release.split(".")[:2]
-    return int(major), int(minor)
 
 
 # --- hooks: the odd ones out ------------------------------------------------------------------

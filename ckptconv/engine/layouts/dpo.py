@@ -21,14 +21,15 @@ lose them on the way out.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
+from ckptconv.core.releases import release_key
 from ckptconv.engine.layouts import upgrades
-from ckptconv.engine.layouts.registry import release_key, resolve
+from ckptconv.engine.layouts.registry import resolve
+from ckptconv.engine.layouts.upgrades import split_format
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs, replace_model_spec
 from ckptconv.engine.plan import Plan, Step, identity_plan
 from ckptconv.formats.base import Entry, TensorSource
@@ -45,27 +46,6 @@ DPO_DEFAULTS = {"beta": 0.1, "reference_free": False}
 BASE_MODELS = ("bloom", "falcon", "gpt2", "gptj", "gpt-neox", "llama", "mistral", "mpt", "santacoder", "starcoder")
 HF_MODEL_TYPES = {"gpt_neox": "gpt-neox", "gpt_bigcode": "starcoder"}
 NO_DPO_RELEASE = "2.1"
-
-_FORMAT = re.compile(r"(cs-\d+\.\d+|cs-current|cs-auto|hf)(-no-dpo|-dpo)?")
-
-
-def split_format(fmt: str) -> tuple[str, str]:
-    """``cs-2.9-dpo`` -> (``cs-2.9``, ``dpo``); ``cs-2.1-no-dpo`` -> (``cs-2.1``, ``no-dpo``);
-    anything else -> (fmt, "")."""
-    m = _FORMAT.fullmatch(fmt)
-    if m is None or m.group(2) is None:
-        return fmt, ""
-    return m.group(1), m.group(2)[1:]
-
-
-def parse_model_format(fmt: str, *, side: str) -> str:
-    """Validate a model-layout format, DPO suffixes included; returns the release node plus suffix."""
-    base, wrapper = split_format(fmt)
-    node = upgrades.parse_format(base, side=side)
-    if wrapper and node == "hf":
-        raise NoConversionPath(f"{fmt!r} is not a format", hint="DPO formats are cs-X.Y-dpo and cs-2.1-no-dpo")
-    return f"{node}-{wrapper}" if wrapper else node
-
 
 # --- configs ----------------------------------------------------------------------------------
 

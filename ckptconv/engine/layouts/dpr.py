@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import ConfigConversionError
-from ckptconv.engine.layouts.registry import release_key
+from ckptconv.core.releases import release_key
 from ckptconv.engine.layouts.views import (
     PartsPlan,
     component_configs,

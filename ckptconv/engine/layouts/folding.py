@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, ConversionError
-from ckptconv.engine.layouts.registry import release_key
+from ckptconv.core.releases import release_key
 
 _MUP_KEYS_NEW = (
     "mup_base_hidden_size",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckptconv.core.dtypes import is_float_dtype
 from ckptconv.core.errors import (
     ConfigConversionError,
     ConversionError,
@@ -28,6 +29,7 @@ from ckptconv.core.errors import (
     NoConversionPath,
     UnmatchedKeys,
 )
+from ckptconv.core.releases import CURRENT_RELEASE, known_release, newer_than_known, release_key
 from ckptconv.engine.layouts import dpo, dpr, folding, llava, sparsity, upgrades
 from ckptconv.engine.layouts.config import (
     cs_model_section,
@@ -39,7 +41,7 @@ from ckptconv.engine.layouts.config import (
     replace_model_section,
 )
 from ckptconv.engine.layouts.expr import evaluate
-from ckptconv.engine.layouts.registry import Family, Variant, release_key, resolve
+from ckptconv.engine.layouts.registry import Family, Variant, resolve
 from ckptconv.engine.layouts.rules import MappedOutput, map_keys
 from ckptconv.engine.layouts.transforms import TRANSFORMS, lora_fold
 from ckptconv.engine.layouts.views import KeyView, plan_on_source
@@ -227,15 +229,15 @@ def detect_release(source: TensorSource, entries: list[Entry]) -> tuple[str, str
     info = source.info or {}
     candidates += [str(info[k]) for k in ("cstorch_version", "__cstorch_version__", "release") if info.get(k)]
     for version in candidates:
-        rel = upgrades.version_to_release(version)
+        rel = known_release(version)
         if rel:
             return f"cs-{rel}", None
-        newer = upgrades.newer_than_known(version)
+        newer = newer_than_known(version)
         if newer:
             return (
-                f"cs-{upgrades.CURRENT_RELEASE}",
+                f"cs-{CURRENT_RELEASE}",
                 f"the checkpoint was written by release {newer}, newer than the newest layout known here "
-                f"(cs-{upgrades.CURRENT_RELEASE}); it is read as cs-{upgrades.CURRENT_RELEASE}",
+                f"(cs-{CURRENT_RELEASE}); it is read as cs-{CURRENT_RELEASE}",
             )
     fmt = info.get("format_version", info.get("__version__"))
     legacy = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
@@ -657,19 +659,18 @@ def sideband_sparsity(config: Mapping[str, Any]) -> bool:
 
 def _zero_nans(step: Step) -> Step:
     """``step`` writing 0 where its floating-point output is NaN."""
-    if step.out.kind not in ("tensor", "array") or not step.inputs or not _is_float(step.out.dtype):
+    if step.out.kind not in ("tensor", "array") or not step.inputs or not is_float_dtype(step.out.dtype):
         return step
     t = step.transform or IDENTITY
 
     def fn(values: list[Any]) -> Any:
         out = t(values)
+        if out.element_size() == 1:  # float8: torch has no masked_fill for it; float32 holds it exactly
+            wide = out.float()
+            return wide.masked_fill(wide.isnan(), 0).to(out.dtype)
         return out.masked_fill(out.isnan(), 0)  # a new tensor: the input may be read again
 
     return replace(step, transform=Transform(f"{t.name}; NaN->0", fn, dict(t.params), t.peak_factor + 1.0))
-
-
-def _is_float(dtype: str | None) -> bool:
-    return dtype in ("float16", "bfloat16", "float32", "float64")
 
 
 def _plan_cs_to_cs(fam, var, source, entries, by_key, config, path, req, warnings) -> tuple[Plan, ConfigResult]:

@@ -32,24 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptconv.core.errors import NoConversionPath, UnknownModel
+from ckptconv.core.releases import release_range
 from ckptconv.engine.layouts.config import ConfigTable, parse_config_table
 from ckptconv.engine.layouts.expr import ExprError, compile_expr
 from ckptconv.engine.layouts.rules import Pattern, RuleSet, TableError, parse_rules, rule_mapping, strip_hf_prefix
 from ckptconv.engine.layouts.transforms import TRANSFORMS
 
 FAMILIES_DIR = os.path.join(os.path.dirname(__file__), "families")
-
-RELEASES = ["1.6", "1.7", "1.8", "1.9", "2.0", "2.1", "2.2", "2.3", "2.4", "2.5", "2.6", "2.7", "2.8", "2.9"]
-CURRENT_RELEASE = RELEASES[-1]  # `cs-current`: the newest release this build supports
-
-
-def release_key(release: str) -> tuple[int, int]:
-    major, minor = release.split(".")[:2]
-    return int(major), int(minor)
-
-
-def release_range(lo: str, hi: str) -> list[str]:
-    return [r for r in RELEASES if release_key(lo) <= release_key(r) <= release_key(hi)]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
-from ckptconv.engine.layouts.registry import CURRENT_RELEASE, RELEASES, Family, release_key
+from ckptconv.core.releases import CURRENT_RELEASE, RELEASES, release_key
+from ckptconv.engine.layouts.registry import Family
 
 # --- formats ---------------------------------------------------------------------------------
 
@@ -64,26 +65,29 @@ def parse_format(fmt: str, *, side: str) -> str:
 CANONICAL_RELEASE = "2.1"  # the key vocabulary family tables are written in (2.1 and newer)
 
 
+_FORMAT = re.compile(r"(cs-\d+\.\d+|cs-current|cs-auto|hf)(-no-dpo|-dpo)?")
+
+
+def split_format(fmt: str) -> tuple[str, str]:
+    """``cs-2.9-dpo`` -> (``cs-2.9``, ``dpo``); ``cs-2.1-no-dpo`` -> (``cs-2.1``, ``no-dpo``);
+    anything else -> (fmt, "")."""
+    m = _FORMAT.fullmatch(fmt)
+    if m is None or m.group(2) is None:
+        return fmt, ""
+    return m.group(1), m.group(2)[1:]
+
+
+def parse_model_format(fmt: str, *, side: str) -> str:
+    """Validate a model-layout format, DPO suffixes included; returns the release node plus suffix."""
+    base, wrapper = split_format(fmt)
+    node = parse_format(base, side=side)
+    if wrapper and node == "hf":
+        raise NoConversionPath(f"{fmt!r} is not a format", hint="DPO formats are cs-X.Y-dpo and cs-2.1-no-dpo")
+    return f"{node}-{wrapper}" if wrapper else node
+
+
 def release_of(node: str) -> str:
     return node.removeprefix("cs-")
-
-
-def newer_than_known(version: str) -> str | None:
-    """``"2.10"`` for ``"2.10.0"`` when that release is newer than every release we know."""
-    m = re.match(r"(\d+)\.(\d+)", str(version))
-    if not m:
-        return None
-    key = (int(m.group(1)), int(m.group(2)))
-    return f"{key[0]}.{key[1]}" if key > release_key(CURRENT_RELEASE) else None
-
-
-def version_to_release(version: str) -> str | None:
-    """``"2.4.0"`` -> ``"2.4"`` (None if it is not a release we know)."""
-    m = re.match(r"(\d+)\.(\d+)", str(version))
-    if not m:
-        return None
-    rel = f"{int(m.group(1))}.{int(m.group(2))}"
-    return rel if rel in RELEASES else None
 
 
 # --- key renames ---------------------------------------------------------------------------

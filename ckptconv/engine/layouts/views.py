@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, ConversionError, UnmatchedKeys
+from ckptconv.core.releases import CURRENT_RELEASE, release_key
 from ckptconv.engine.plan import Plan, Step
 from ckptconv.formats.base import Entry, TensorSource
 from ckptconv.formats.tree import TreeSpec, flat_dict_spec
@@ -195,7 +196,6 @@ def composite_formats(req: Any, source: TensorSource, model: str, first: str, co
     from ckptconv.core.errors import NoConversionPath
     from ckptconv.engine.layouts import upgrades
     from ckptconv.engine.layouts.planner import detect_release
-    from ckptconv.engine.layouts.registry import release_key
 
     src = upgrades.parse_format(req.src_fmt, side="source")
     tgt = upgrades.parse_format(req.tgt_fmt, side="target")
@@ -204,7 +204,7 @@ def composite_formats(req: Any, source: TensorSource, model: str, first: str, co
     cs = tgt if src == "hf" else src
     if {src, tgt} & {"hf"} != {"hf"} or cs == "hf" or release_key(cs[3:]) < release_key(first):
         raise NoConversionPath(
-            f"{model} converts hf <-> cs-{first} ... cs-{upgrades.CURRENT_RELEASE}, not {req.src_fmt} -> {req.tgt_fmt}",
+            f"{model} converts hf <-> cs-{first} ... cs-{CURRENT_RELEASE}, not {req.src_fmt} -> {req.tgt_fmt}",
             hint="name the release (cs-X.Y) on the Cerebras side; the Hugging Face side is a directory holding "
             + " and ".join(f"{c}/" for c in components),
         )

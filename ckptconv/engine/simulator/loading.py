@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ckptconv.core.errors import CheckpointError, CheckpointMismatch
+from ckptconv.core.releases import parse_release
 from ckptconv.engine.simulator.checkpoint_io import read_checkpoint, subtree_spec, top_level_keys
 from ckptconv.formats.base import Entry, TensorSource
 
@@ -173,14 +174,6 @@ def read_metadata(source: TensorSource) -> list[dict[str, Any]] | None:
     return meta
 
 
-def release_tuple(version: str) -> tuple[int, int] | None:
-    parts = str(version).split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-
-
 def check_release(metadata: list[dict[str, Any]] | None, running: str, *, strict_version: bool = True) -> str | None:
     """The trainer's load-time version check; returns a warning text when not strict, raises when strict.
 
@@ -193,7 +186,7 @@ def check_release(metadata: list[dict[str, Any]] | None, running: str, *, strict
     version = last.get("version") or ""
     if not version or "+" in str(version):
         return None
-    have, want = release_tuple(version), release_tuple(running)
+    have, want = parse_release(version), parse_release(running)
     if have is None or have == want:
         return None
     msg = (
