@@ -18,6 +18,7 @@ import struct
 import subprocess
 from pathlib import Path
 
+import cramjam
 import pytest
 import torch
 
@@ -189,22 +190,29 @@ def test_table_refuses_damage():
         build_table([(b"b", b""), (b"a", b"")])
 
 
-def test_table_refuses_snappy_blocks():
-    data = bytearray(build_table([(b"", b"header")]))
-    footer = bytes(data[-48:])
+def test_table_reads_snappy_blocks():
+    """Indexes of TensorFlow <= 1.1 compress every block with snappy; they read as the same table."""
+    items = [(b"", b"header")] + [(f"layer_{i:03d}/w".encode(), bytes([i % 7]) * 40) for i in range(300)]
+    plain = build_table(items, block_size=512)
+    packed = build_table(items, block_size=512, snappy=True)
+    assert len(packed) < len(plain)
+    assert read_table(packed) == read_table(plain) == items
+
+    # A block whose checksum matches but whose snappy data is damaged is refused, typed.
+    footer = packed[-48:]
     _, pos = decode_varint(footer, 0)
     _, pos = decode_varint(footer, pos)
     index_off, pos = decode_varint(footer, pos)
     index_size, _ = decode_varint(footer, pos)
-    ((_, handle),) = iter_block(bytes(data[index_off : index_off + index_size]))
+    ((_, handle), *_) = iter_block(cramjam.snappy.decompress_raw(packed[index_off : index_off + index_size]).read())
     off, pos = decode_varint(handle, 0)
     size, _ = decode_varint(handle, pos)
-    end = off + size
-    data[end] = 1  # compression type: snappy, with a checksum that matches
-    crc = crc32c_extend(crc32c_extend(0, bytes(data[off:end])), b"\x01")
-    data[end + 1 : end + 5] = struct.pack("<I", mask_crc(crc))
-    with pytest.raises(UnsupportedFormat, match="snappy"):
-        read_table(bytes(data))
+    damaged = bytearray(packed)
+    damaged[off : off + 1] = b"\xff"  # the announced length: now far more than the block holds
+    crc = crc32c_extend(crc32c_extend(0, bytes(damaged[off : off + size])), b"\x01")
+    damaged[off + size + 1 : off + size + 5] = struct.pack("<I", mask_crc(crc))
+    with pytest.raises(CorruptCheckpoint, match="snappy"):
+        read_table(bytes(damaged))
 
 
 def test_string_tensor_encoding():

@@ -27,6 +27,11 @@ DTYPE_ALIASES = {
     "double": "float64",
 }
 
+SHARD_BY_HELP = (
+    "shard the TensorFlow output by weight names: one data file per glob pattern (repeat the flag; "
+    "'*' also matches '/'), a last file for the rest, e.g. --shard-by 'layer_0/*' --shard-by 'layer_1/*'"
+)
+
 
 def dtype_arg(value: str) -> str:
     return DTYPE_ALIASES.get(value.lower(), value.lower())
@@ -52,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", dest="to", help="target format (cs-h5, safetensors, torch, tf, cs-s3)")
     p.add_argument("--from", dest="source_format", help="source format (default: detected)")
     p.add_argument("--shard-size", help="split the output into shards of at most this size (e.g. 5GB, 500MiB)")
+    p.add_argument("--shard-by", action="append", metavar="GLOB", help=SHARD_BY_HELP)
     p.add_argument("--dtype", type=dtype_arg, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
     p.add_argument("--no-verify", action="store_true", help="skip re-reading the output (not recommended)")
     p.add_argument("--no-progress", "--no-progress-bar", action="store_true", help="no progress bar")
@@ -218,6 +224,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             to=args.to,
             source_format=args.source_format,
             shard_size=args.shard_size,
+            shard_by=args.shard_by,
             dtype=args.dtype,
             progress=bar,
             verify=not args.no_verify,

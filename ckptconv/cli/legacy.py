@@ -1,7 +1,8 @@
 """Commands carried over from Cerebras' legacy checkpoint utilities.
 
 - ``tensorflow-to-h5`` / ``h5-to-tensorflow``: a TensorFlow saver bundle to a Cerebras H5
-  checkpoint and back (the engine's conversion, verified);
+  checkpoint and back (the engine's conversion, verified); also installed as console scripts of
+  those names, as the original wheel's command-line utility was;
 - ``fix-spec``: repair a release <= 1.7 checkpoint so 2.0+ loads it;
 - ``convert-dataloader-state``: add the 1.9 data-iterator state to a checkpoint as 2.0's
   ``dataloader`` entry.
@@ -17,6 +18,7 @@ import json
 import sys
 from typing import Any
 
+from ckptconv.cli.engine import SHARD_BY_HELP
 from ckptconv.core.errors import InvalidRequest
 
 
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tensorflow-to-h5", help="convert a TensorFlow checkpoint to a Cerebras H5 checkpoint")
     p.add_argument("saver_path", help="TensorFlow checkpoint prefix (dir/ckpt-1), its .index file, or its directory")
     p.add_argument("h5_path", help="Cerebras H5 file to write (.mdl / .h5)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_tensorflow_to_h5)
 
@@ -31,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("h5_path", help="Cerebras H5 checkpoint (any format version)")
     p.add_argument("saver_path", help="TensorFlow checkpoint prefix to write (dir/ckpt writes dir/ckpt.index ...)")
     p.add_argument("--shard-size", help="split the data into files of at most this size (e.g. 5GB)")
+    p.add_argument("--shard-by", action="append", metavar="GLOB", help=SHARD_BY_HELP)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_h5_to_tensorflow)
 
@@ -77,19 +82,49 @@ def _print_result(result: Any, as_json: bool) -> None:
         print(f"warning: {w}")
 
 
-def cmd_tensorflow_to_h5(args: argparse.Namespace) -> int:
+def _convert_with_progress(args: argparse.Namespace, source: str, target: str, **options: Any) -> Any:
+    from ckptconv.cli.engine import _Bar
     from ckptconv.engine.convert import convert
 
-    _print_result(convert(args.saver_path, args.h5_path, to="cs-h5", source_format="tf"), args.json)
+    bar = _Bar(not args.no_progress)
+    try:
+        return convert(source, target, progress=bar, **options)
+    finally:
+        bar.close()
+
+
+def cmd_tensorflow_to_h5(args: argparse.Namespace) -> int:
+    result = _convert_with_progress(args, args.saver_path, args.h5_path, to="cs-h5", source_format="tf")
+    _print_result(result, args.json)
     return 0
 
 
 def cmd_h5_to_tensorflow(args: argparse.Namespace) -> int:
-    from ckptconv.engine.convert import convert
-
-    result = convert(args.h5_path, args.saver_path, to="tf", source_format="cs-h5", shard_size=args.shard_size)
+    result = _convert_with_progress(
+        args,
+        args.h5_path,
+        args.saver_path,
+        to="tf",
+        source_format="cs-h5",
+        shard_size=args.shard_size,
+        shard_by=args.shard_by,
+    )
     _print_result(result, args.json)
     return 0
+
+
+def tensorflow_to_h5() -> int:
+    """Console script ``tensorflow-to-h5 saver_path h5_path``, the original utility's command line."""
+    from ckptconv.cli.main import main
+
+    return main(["tensorflow-to-h5", *sys.argv[1:]])
+
+
+def h5_to_tensorflow() -> int:
+    """Console script ``h5-to-tensorflow h5_path saver_path``, the original utility's command line."""
+    from ckptconv.cli.main import main
+
+    return main(["h5-to-tensorflow", *sys.argv[1:]])
 
 
 def _confirm(path: str) -> None:

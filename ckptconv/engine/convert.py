@@ -2,16 +2,18 @@
 
 ``convert`` runs an identity plan through :func:`ckptconv.engine.run.run_plan` (staged, verified,
 published with its manifest last); ``plan_conversion`` is its dry run from metadata only;
-``inspect`` lists what a checkpoint holds.
+``inspect`` lists what a checkpoint holds. Between TensorFlow and the Cerebras formats the keys go
+through :mod:`ckptconv.formats.tf_names` (TF names a Cerebras checkpoint cannot hold as they are).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from ckptconv.core.errors import CkptconvError, InvalidRequest
+from ckptconv.core.errors import CkptconvError, InvalidRequest, KeyCollision, UnsupportedValue
 from ckptconv.core.sizes import parse_size
 from ckptconv.engine.execute import Progress
 from ckptconv.engine.plan import Plan, identity_plan
@@ -19,12 +21,62 @@ from ckptconv.engine.run import ConvertResult, jsonable, run_plan, source_facts
 from ckptconv.formats import sink_class
 from ckptconv.formats.detect import check_format, open_source, target_format_from_name
 from ckptconv.formats.sharding import plan_shards
+from ckptconv.formats.tf_names import cerebras_keys, tf_name
+from ckptconv.formats.tree import DICT, ODICT, TreeSpec
 
 __all__ = ["convert", "inspect", "plan_conversion"]
 
+CEREBRAS_FORMATS = ("cs-h5", "cs-s3")
 
-def _sink_options(to: str, shard_size: int | str | None) -> dict[str, Any]:
-    return {"shard_size": shard_size} if shard_size is not None else {}
+
+def _sink_options(to: str, shard_size: int | str | None, shard_by: list[str] | None = None) -> dict[str, Any]:
+    options: dict[str, Any] = {"shard_size": shard_size} if shard_size is not None else {}
+    if shard_by:
+        if to != "tf":
+            raise InvalidRequest("shard_by (sharding by weight names) applies to TensorFlow outputs (--to tf)")
+        options["shard_by"] = list(shard_by)
+    return options
+
+
+def with_tf_names(plan: Plan, source_format: str, to: str) -> Plan:
+    """``plan`` with its output keys renamed between TensorFlow names and Cerebras keys, when
+    converting between those formats (see :mod:`ckptconv.formats.tf_names`); else ``plan`` itself."""
+    keys = [s.out.key for s in plan.steps]
+    if source_format == "tf" and to in CEREBRAS_FORMATS:
+        mapping = cerebras_keys(keys)
+    elif source_format in CEREBRAS_FORMATS and to == "tf":
+        mapping = {k: tf_name(k) for k in keys}
+        if len(set(mapping.values())) != len(mapping):
+            clash = sorted(k for k in keys if list(mapping.values()).count(mapping[k]) > 1)[:4]
+            raise KeyCollision(f"the keys {', '.join(clash)} stand for the same TensorFlow name")
+    else:
+        return plan
+    mapping = {k: v for k, v in mapping.items() if k != v}
+    if not mapping:
+        return plan
+    spec = plan.spec
+    if spec is not None:
+        flat = spec.type in (DICT, ODICT) and all(c.is_leaf for c in spec.children)
+        if not flat or [str(k) for k in spec.context] != keys:
+            raise UnsupportedValue(
+                f"{next(iter(mapping))!r} must be renamed for {to}, which only a flat checkpoint allows",
+                hint="convert through safetensors, whose keys can be any string",
+            )
+        spec = TreeSpec(spec.type, [mapping.get(k, k) for k in keys], list(spec.children))
+    steps = [
+        replace(
+            s,
+            out=replace(
+                s.out,
+                key=mapping.get(s.out.key, s.out.key),
+                target=mapping.get(s.out.target, s.out.target) if s.out.target else s.out.target,
+            ),
+        )
+        for s in plan.steps
+    ]
+    first = next(iter(mapping))
+    note = f"{len(mapping)} TensorFlow names renamed for {to} (e.g. {first!r} -> {mapping[first]!r})"
+    return replace(plan, steps=steps, spec=spec, warnings=[*plan.warnings, note])
 
 
 def convert(
@@ -41,8 +93,13 @@ def convert(
     job_id: str | None = None,
     verify: bool = True,
     allow_incomplete: bool | None = None,
+    shard_by: list[str] | None = None,
 ) -> ConvertResult:
-    """Container conversion: every entry of ``source`` written to ``target`` in format ``to``."""
+    """Container conversion: every entry of ``source`` written to ``target`` in format ``to``.
+
+    ``shard_by`` (TensorFlow targets): glob patterns of weight names, one data file per pattern in
+    that order (a tensor goes to the first pattern it matches), the rest in a last file.
+    """
     to = to or target_format_from_name(target)
     if to is None:
         raise InvalidRequest(f"cannot tell the target format from {target!r}", hint="pass --to FORMAT")
@@ -50,14 +107,14 @@ def convert(
     t0 = time.monotonic()
     src = open_source(source, source_format, allow_incomplete=allow_incomplete)
     try:
-        plan = identity_plan(src.entries(), src.spec, dtype=dtype)
+        plan = with_tf_names(identity_plan(src.entries(), src.spec, dtype=dtype), src.format, to)
         planned = time.monotonic() - t0
         result = run_plan(
             plan,
             src,
             to=to,
             target=target,
-            sink_options=_sink_options(to, shard_size),
+            sink_options=_sink_options(to, shard_size, shard_by),
             staging=staging,
             progress=progress,
             cancelled=cancelled,
@@ -87,8 +144,11 @@ def plan_conversion(
         return {"ok": False, "errors": [e.to_problem()]}
     try:
         entries = src.entries()
-        plan = identity_plan(entries, src.spec, dtype=dtype)
         errors = []
+        try:
+            plan = with_tf_names(identity_plan(entries, src.spec, dtype=dtype), src.format, to)
+        except CkptconvError as e:
+            return {"ok": False, "errors": [e.to_problem()]}
         try:
             sink_class(to).check(plan.entries())
         except CkptconvError as e:

@@ -38,6 +38,15 @@ from ckptconv.formats.tree import TreeSpec, flat_dict_spec
 LEGACY_RELEASES = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
 
 
+def _dtype_hint(dtype: str | None) -> str:
+    if dtype is not None and (dtype.startswith("float") or dtype.startswith("bfloat")):
+        return f"cast it (--dtype bf16/fp16/fp32) or choose a target format that holds {dtype}"
+    return (
+        f"{dtype} tensors (e.g. quantized weights) stay in formats that hold them: convert to safetensors, "
+        "torch or tf instead, or dequantize them before converting to a Cerebras checkpoint"
+    )
+
+
 def release_of(cstorch_version: Any, format_version: float | None) -> str | None:
     """``"2.10"`` from ``"2.10.0"``; without a cstorch version, the §0 map of format versions."""
     if isinstance(cstorch_version, str | bytes) and (name := release_name(cstorch_version)):
@@ -121,6 +130,7 @@ class CerebrasSink(TensorSink):
                     "(cstorch.save refuses it: no RtFx dtype)",
                     key=e.key,
                     dtype=e.dtype,
+                    hint=_dtype_hint(e.dtype),
                 )
             if e.kind == "array" and e.dtype not in ARRAY_DTYPES:
                 raise UnsupportedDtype(

@@ -18,8 +18,9 @@ reassembled into one tensor. Entries of TensorFlow-internal dtypes (variant, res
 
 Writing (``TfSink``): data shards are streamed in the announced order with the crc32c computed on
 the way; the index (sorted keys, header with ``num_shards``, little-endian, version producer 1) is
-written at commit. Options ``num_shards`` (balanced by bytes) or ``shard_size`` (e.g. ``"5GB"``)
-split the data over several files, whole tensors each. Every file is written under a temporary
+written at commit. Options ``num_shards`` (balanced by bytes), ``shard_size`` (e.g. ``"5GB"``) or
+``shard_by`` (glob patterns of weight names, one file per pattern, the rest last) split the data
+over several files, whole tensors each. Every file is written under a temporary
 name and published by ``commit``, the index last. Links become index entries that point at their
 target's bytes, so tied weights are stored once and TensorFlow reads both names. Given the same
 tensors in the same order, the files are byte-identical to TensorFlow's own.
@@ -33,6 +34,7 @@ tensor (bool, int64, float, str) are also written as scalar tensors so TensorFlo
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import pickle
@@ -654,8 +656,11 @@ class _ShardState:
 class TfSink(TensorSink):
     """Writes a TensorFlow V2 bundle. See the module docstring.
 
-    Options: ``num_shards`` (int, tensors balanced by bytes over that many data files) or
-    ``shard_size`` (bytes or ``"5GB"``: a new data file starts before a tensor would exceed it).
+    Options: ``num_shards`` (int, tensors balanced by bytes over that many data files),
+    ``shard_size`` (bytes or ``"5GB"``: a new data file starts before a tensor would exceed it) or
+    ``shard_by`` (glob patterns of weight names, ``fnmatch`` style where ``*`` also matches ``/``:
+    data file ``i`` holds the tensors whose name first matches pattern ``i``, a last file the rest;
+    how a model too big for one host is split by layer, e.g. ``["layer_0/*", "layer_1/*"]``).
     """
 
     format = "tf"
@@ -685,11 +690,12 @@ class TfSink(TensorSink):
 
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
-        unknown = set(options) - {"num_shards", "shard_size"}
+        unknown = set(options) - {"num_shards", "shard_size", "shard_by"}
         if unknown:
             raise InvalidRequest(f"unknown option(s) for the tf format: {', '.join(sorted(unknown))}")
-        if options.get("num_shards") is not None and options.get("shard_size") is not None:
-            raise InvalidRequest("give num_shards or shard_size, not both")
+        given = [k for k in ("num_shards", "shard_size", "shard_by") if options.get(k) is not None]
+        if len(given) > 1:
+            raise InvalidRequest(f"give one of num_shards, shard_size and shard_by, not {' and '.join(given)}")
         self.prefix = bundle_prefix(uri)
         self._token = uuid.uuid4().hex[:12]
         self._items: list[_Item] = []
@@ -701,7 +707,9 @@ class TfSink(TensorSink):
         self._num_shards = 1
         self._next = 0  # position in _order of the next entry write() expects
         self._order: list[_Item] = []
-        self._shard: _ShardState | None = None
+        # Data files being written. Runs of the announced order fill one file after the other, so one
+        # is open at a time; with shard_by the files interleave, so each stays open until commit.
+        self._open: dict[int, _ShardState] = {}
         self._done: list[_ShardState] = []
         self._finished = False
 
@@ -755,7 +763,10 @@ class TfSink(TensorSink):
 
         num = self.options.get("num_shards")
         size = self.options.get("shard_size")
-        if num is not None:
+        patterns = self.options.get("shard_by")
+        if patterns is not None:
+            groups = _by_names(stored, patterns)
+        elif num is not None:
             if isinstance(num, bool) or not isinstance(num, int) or num < 1:
                 raise InvalidRequest(f"num_shards must be a positive integer, got {num!r}")
             groups = _balanced(stored, min(num, max(len(stored), 1)))
@@ -831,23 +842,24 @@ class TfSink(TensorSink):
         item.stored = BundleEntry(tf_dtype, shape, item.shard, offset, shard.size - offset, mask_crc(crc))
 
     def _shard_for(self, index: int) -> _ShardState:
-        if self._shard is not None and self._shard.index == index:
-            return self._shard
-        if self._shard is not None:
-            self._close_shard()
+        if index in self._open:
+            return self._open[index]
+        if self.options.get("shard_by") is None:
+            self._close_shards()
         return self._open_shard(index)
 
     def _open_shard(self, index: int) -> _ShardState:
         final = data_uri(self.prefix, index, self._num_shards)
         staged = self._staged(final)
-        self._shard = _ShardState(index, staged, final, self.storage.open_writer(staged, overwrite=True))
-        return self._shard
+        shard = _ShardState(index, staged, final, self.storage.open_writer(staged, overwrite=True))
+        self._open[index] = shard
+        return shard
 
-    def _close_shard(self) -> None:
-        assert self._shard is not None
-        self._shard.writer.commit()
-        self._done.append(self._shard)
-        self._shard = None
+    def _close_shards(self) -> None:
+        for index in sorted(self._open):
+            shard = self._open.pop(index)
+            shard.writer.commit()
+            self._done.append(shard)
 
     # -- commit --------------------------------------------------------------------------------
 
@@ -897,7 +909,7 @@ class TfSink(TensorSink):
             self._append(item, DT_STRING, (), [memoryview(data)], crc)
             stored.append(item)
         self._shard_for(self._num_shards - 1)  # opens it when nothing was written (an empty checkpoint)
-        self._close_shard()
+        self._close_shards()
         index_items = {i.entry.key.encode(): i.stored.encode() for i in stored}  # type: ignore[union-attr]
         for link in self._links:
             target = self._by_key[self._resolve(link.key)]  # type: ignore[index]
@@ -922,9 +934,9 @@ class TfSink(TensorSink):
     def abort(self) -> None:
         if self._finished:
             return
-        if self._shard is not None:
-            self._shard.writer.abort()
-            self._shard = None
+        for shard in self._open.values():
+            shard.writer.abort()
+        self._open.clear()
         self._delete_staged()
         self._finished = True
 
@@ -932,6 +944,25 @@ class TfSink(TensorSink):
         for s in self._done:
             self.storage.delete(s.staged)
         self.storage.delete(self._staged(index_uri(self.prefix)))
+
+
+def _by_names(items: list[_Item], patterns: Any) -> list[list[_Item]]:
+    """One group per glob pattern (a tensor joins the first it matches), then the unmatched ones."""
+    if isinstance(patterns, str) or not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise InvalidRequest(f"shard_by must be a non-empty list of glob patterns, got {patterns!r}")
+    groups: list[list[_Item]] = [[] for _ in patterns]
+    rest: list[_Item] = []
+    for item in items:
+        i = next((i for i, p in enumerate(patterns) if fnmatch.fnmatchcase(item.entry.key, p)), None)
+        (rest if i is None else groups[i]).append(item)
+    empty = [p for p, g in zip(patterns, groups, strict=True) if not g]
+    if empty:
+        raise InvalidRequest(
+            f"shard_by pattern(s) {', '.join(map(repr, empty))} match no weight (or only names an earlier "
+            "pattern took)",
+            hint="list the names with `ckptconv inspect SOURCE`; '*' also matches '/'",
+        )
+    return [*groups, rest] if rest else groups
 
 
 def _balanced(items: list[_Item], n: int) -> list[list[_Item]]:

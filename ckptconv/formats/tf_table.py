@@ -12,8 +12,9 @@ Layout, as TensorFlow's ``table::TableBuilder`` writes it:
 - a 48-byte footer: the metaindex and index handles, zero padding to 40 bytes, and the fixed64
   magic number ``0xdb4775248b80fb57``.
 
-TensorFlow writes bundle indexes uncompressed (compressed ones cannot be read by TensorFlow
-before 1.1), so a snappy block is refused rather than decoded.
+TensorFlow up to 1.1 wrote bundle index blocks snappy-compressed (type 1), as LevelDB does, and
+every TensorFlow still reads them (TF Serving's test models are such files); they are decoded with
+``cramjam``. Newer TensorFlow, and ckptconv's writer, leave blocks uncompressed.
 
 The index holds one small entry per tensor, so it is read and written whole; tensor data never
 passes through here.
@@ -25,6 +26,7 @@ import itertools
 import struct
 from collections.abc import Iterable
 
+import cramjam
 import crc32c as _crc32c
 
 from ckptconv.core.errors import CorruptCheckpoint, UnsupportedFormat
@@ -39,6 +41,8 @@ SNAPPY_COMPRESSION = 1
 # TensorFlow's table::Options defaults; readers accept any values.
 BLOCK_SIZE = 256 << 10
 RESTART_INTERVAL = 16
+# A block decompresses to at most this much (TensorFlow's are ~256 KiB; an index is read whole anyway).
+MAX_BLOCK_BYTES = 1 << 30
 
 _MASK_DELTA = 0xA282EAD8
 
@@ -78,13 +82,27 @@ def _block(data: bytes, offset: int, size: int, what: str) -> memoryview:
     if unmask_crc(stored) != actual:
         raise CorruptCheckpoint(f"TensorFlow index {what} block fails its crc32c check")
     if ctype == SNAPPY_COMPRESSION:
-        raise UnsupportedFormat(
-            "this TensorFlow index uses snappy-compressed blocks, which ckptconv does not decode",
-            hint="re-save the checkpoint with TensorFlow (bundles it writes are uncompressed)",
-        )
+        return memoryview(_unsnappy(bytes(memoryview(data)[offset:end]), what))
     if ctype != NO_COMPRESSION:
         raise CorruptCheckpoint(f"TensorFlow index {what} block has unknown compression type {ctype}")
     return memoryview(data)[offset:end]
+
+
+def _unsnappy(raw: bytes, what: str) -> bytes:
+    """A raw (unframed) snappy block, its announced size checked before anything is allocated."""
+    try:
+        size, _ = decode_varint(raw, 0)
+    except CorruptCheckpoint:
+        raise CorruptCheckpoint(f"TensorFlow index {what} block: snappy data without a length") from None
+    if size > MAX_BLOCK_BYTES:
+        raise CorruptCheckpoint(f"TensorFlow index {what} block claims {size} bytes once snappy-decompressed")
+    try:
+        out = bytes(cramjam.snappy.decompress_raw(raw))
+    except cramjam.DecompressionError as e:
+        raise CorruptCheckpoint(f"TensorFlow index {what} block is not valid snappy data: {e}") from None
+    if len(out) != size:
+        raise CorruptCheckpoint(f"TensorFlow index {what} block: snappy gave {len(out)} bytes, not {size}")
+    return out
 
 
 def iter_block(block: memoryview | bytes) -> list[tuple[bytes, bytes]]:
@@ -205,8 +223,13 @@ def build_table(
     *,
     block_size: int = BLOCK_SIZE,
     restart_interval: int = RESTART_INTERVAL,
+    snappy: bool = False,
 ) -> bytes:
-    """Serialize (key, value) pairs, which must be strictly increasing, as one table file."""
+    """Serialize (key, value) pairs, which must be strictly increasing, as one table file.
+
+    ``snappy`` compresses every block as TensorFlow up to 1.1 did; ckptconv writes uncompressed
+    tables (every TensorFlow reads those), and uses this only to produce such files for its tests.
+    """
     out = bytearray()
     index = _BlockBuilder(1)  # index blocks restart at every entry, as LevelDB's do
     data = _BlockBuilder(restart_interval)
@@ -214,7 +237,9 @@ def build_table(
 
     def write_block(contents: bytes) -> bytes:
         offset = len(out)
-        trailer_type = bytes([NO_COMPRESSION])
+        if snappy:
+            contents = bytes(cramjam.snappy.compress_raw(contents))
+        trailer_type = bytes([SNAPPY_COMPRESSION if snappy else NO_COMPRESSION])
         crc = crc32c_extend(crc32c_extend(0, contents), trailer_type)
         out.extend(contents)
         out.extend(trailer_type + struct.pack("<I", mask_crc(crc)))

@@ -1,9 +1,12 @@
 """TensorFlow as the oracle for ckptconv's TF bundle reader and writer (run with .venv-tf's python).
 
 Usage: ``oracle.py JOB.json``. The job (JSON) may name ``make``, a directory where TensorFlow writes
-its own checkpoints; ``read``, bundle prefixes written by ckptconv that ``tf.train.load_checkpoint``
-reads back; ``restore``, prefixes that a TF2 ``tf.train.Checkpoint`` of the test model restores
-(object graph and all); and ``result``, the JSON file for the answers. Each job is one process
+its own checkpoints; ``make_tf1``, a directory for TF1 ones (a graph trained one step with Adam and
+saved by ``tf.compat.v1.train.Saver``, and names a Cerebras checkpoint cannot hold as they are);
+``read``, bundle prefixes written by ckptconv that ``tf.train.load_checkpoint`` reads back;
+``restore``, prefixes that a TF2 ``tf.train.Checkpoint`` of the test model restores (object graph
+and all); ``restore_tf1``, prefixes the TF1 ``Saver`` of the Adam graph restores; and ``result``,
+the JSON file for the answers. Each job is one process
 because importing TensorFlow takes seconds.
 
 Values travel as JSON: ``{"dtype": TF dtype name, "shape": [...], "hex": raw little-endian bytes}``
@@ -100,6 +103,61 @@ def restore(prefix: str) -> dict:
     return {v.name: describe(v.numpy(), v.dtype) for v in model.variables}
 
 
+ODD_NAMES = ["/lead", "trail/", "a//b", "./x", "a/./b", "a/../b", "%/%value", "a", "a/b", "a/b/c", "sp ace/\u00e9"]
+
+
+def tf1_graph() -> tuple[tf.Graph, object, object]:
+    """Two dense layers trained with Adam, the TF1 way (graph, variable scopes, slots beside each variable)."""
+    g = tf.Graph()
+    v1 = tf.compat.v1
+    with g.as_default():
+        v1.set_random_seed(3)
+        x = v1.constant(np.arange(12, dtype=np.float32).reshape(4, 3) / 10)
+        h = x
+        for i, width in enumerate((5, 2)):
+            with v1.variable_scope(f"layer_{i}/dense"):
+                kernel = v1.get_variable("kernel", [h.shape[1], width], initializer=v1.glorot_uniform_initializer())
+                bias = v1.get_variable("bias", [width], initializer=v1.zeros_initializer())
+            h = tf.nn.relu(tf.matmul(h, kernel) + bias)
+        step = v1.train.get_or_create_global_step()
+        train = v1.train.AdamOptimizer(0.1).minimize(tf.reduce_sum(h * h) + 1.0, global_step=step)
+        saver = v1.train.Saver()
+    return g, train, saver
+
+
+def tf1_variables(sess: object, g: tf.Graph) -> dict:
+    with g.as_default():
+        return {v.op.name: describe(sess.run(v), v.dtype.base_dtype) for v in tf.compat.v1.global_variables()}
+
+
+def restore_tf1(prefix: str) -> dict:
+    g, _, saver = tf1_graph()
+    with tf.compat.v1.Session(graph=g) as sess:
+        saver.restore(sess, prefix)
+        return tf1_variables(sess, g)
+
+
+def make_tf1(out_dir: str) -> dict:
+    expected: dict[str, dict] = {}
+    g, train, saver = tf1_graph()
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(train)
+        prefix = saver.save(sess, os.path.join(out_dir, "adam", "model.ckpt"), global_step=1)
+        variables = tf1_variables(sess, g)
+    expected["adam"] = {"prefix": prefix, "tensors": dump_checkpoint(prefix), "variables": variables}
+
+    odd = os.path.join(out_dir, "odd", "ckpt")
+    tensors = [tf.constant(np.arange(i + 1, dtype=np.float32)) for i in range(len(ODD_NAMES))]
+    tf.raw_ops.SaveV2(prefix=odd, tensor_names=ODD_NAMES, shape_and_slices=[""] * len(ODD_NAMES), tensors=tensors)
+    expected["odd"] = {"prefix": odd, "tensors": dump_checkpoint(odd)}
+
+    int8 = os.path.join(out_dir, "int8", "ckpt")
+    tf.raw_ops.SaveV2(prefix=int8, tensor_names=["q/w"], shape_and_slices=[""], tensors=[tf.constant([1, -2], tf.int8)])
+    expected["int8"] = {"prefix": int8, "tensors": dump_checkpoint(int8)}
+    return expected
+
+
 def make(out_dir: str) -> dict:
     expected: dict[str, dict] = {}
     vals = values()
@@ -181,6 +239,9 @@ def main() -> None:
     if job.get("make"):
         os.makedirs(job["make"], exist_ok=True)
         result["made"] = make(job["make"])
+    if job.get("make_tf1"):
+        os.makedirs(job["make_tf1"], exist_ok=True)
+        result["made_tf1"] = make_tf1(job["make_tf1"])
     result["read"] = {}
     for prefix in job.get("read", []):
         try:
@@ -193,6 +254,12 @@ def main() -> None:
             result["restored"][prefix] = restore(prefix)
         except Exception as e:
             result["restored"][prefix] = {"error": f"{type(e).__name__}: {e}"}
+    result["restored_tf1"] = {}
+    for prefix in job.get("restore_tf1", []):
+        try:
+            result["restored_tf1"][prefix] = restore_tf1(prefix)
+        except Exception as e:
+            result["restored_tf1"][prefix] = {"error": f"{type(e).__name__}: {e}"}
     with open(job["result"], "w") as f:
         json.dump(result, f)
 
