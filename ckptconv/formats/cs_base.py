@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptconv.core.dtypes import is_float_dtype
 from ckptconv.core.errors import ConversionError, CorruptCheckpoint, KeyCollision, UnsupportedDtype, UnsupportedValue
 from ckptconv.core.releases import release_name
 from ckptconv.formats import restricted_pickle
@@ -39,7 +40,7 @@ LEGACY_RELEASES = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
 
 
 def _dtype_hint(dtype: str | None) -> str:
-    if dtype is not None and (dtype.startswith("float") or dtype.startswith("bfloat")):
+    if is_float_dtype(dtype):
         return f"cast it (--dtype bf16/fp16/fp32) or choose a target format that holds {dtype}"
     return (
         f"{dtype} tensors (e.g. quantized weights) stay in formats that hold them: convert to safetensors, "
