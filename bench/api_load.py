@@ -41,7 +41,8 @@ KEY = "ckc_bench-" + uuid.uuid4().hex
 SUBMIT_BODY = {
     "kind": "convert",
     "source": {"uri": "s3://bench/in/model.safetensors"},
-    "target": {"uri": "s3://bench/out/model.mdl", "format": "cs-h5"},
+    # Every request names its own target (a target is reserved by one live job at a time).
+    "target": {"uri": "s3://bench/out/__N__/model.mdl", "format": "cs-h5"},
     "labels": {"suite": "bench"},
 }
 
@@ -157,8 +158,9 @@ function request()
   local headers = {}
   headers["Content-Type"] = "application/json"
 %(auth)s
-  headers["Idempotency-Key"] = "bench-%(run)s-" .. tid .. "-" .. counter
-  return wrk.format("POST", "%(path)s", headers, '%(body)s')
+  local n = "%(run)s-" .. tid .. "-" .. counter
+  headers["Idempotency-Key"] = "bench-" .. n
+  return wrk.format("POST", "%(path)s", headers, '%(body_head)s' .. n .. '%(body_tail)s')
 end
 """
 
@@ -204,10 +206,13 @@ def _httpx_load(url: str, method: str, headers: dict, body: bytes | None, durati
         while time.monotonic() < stop_at:
             n += 1
             h = dict(headers)
+            content = body
             if method == "POST":
-                h["Idempotency-Key"] = f"bench-httpx-{worker}-{n}-{uuid.uuid4().hex[:6]}"
+                tag = f"{worker}-{n}-{uuid.uuid4().hex[:6]}"
+                h["Idempotency-Key"] = f"bench-httpx-{tag}"
+                content = body.replace(b"__N__", tag.encode()) if body else body
             t0 = time.perf_counter()
-            r = await client.request(method, url, headers=h, content=body)
+            r = await client.request(method, url, headers=h, content=content)
             latencies.append((time.perf_counter() - t0) * 1000)
             errors += r.status_code >= 300
 
@@ -298,9 +303,11 @@ def main() -> int:
         )
         ours_url, bare_url = f"http://127.0.0.1:{p_ours}", f"http://127.0.0.1:{p_bare}"
         auth = {"Authorization": f"Bearer {KEY}"}
-        job_id = httpx.post(ours_url + "/v1/jobs", json=SUBMIT_BODY, headers=auth).raise_for_status().json()["id"]
-        bare_id = httpx.post(bare_url + "/jobs", json=SUBMIT_BODY).raise_for_status().json()["id"]
+        first = json.loads(json.dumps(SUBMIT_BODY).replace("__N__", f"first-{run_id}"))
+        job_id = httpx.post(ours_url + "/v1/jobs", json=first, headers=auth).raise_for_status().json()["id"]
+        bare_id = httpx.post(bare_url + "/jobs", json=first).raise_for_status().json()["id"]
         body = json.dumps(SUBMIT_BODY, separators=(",", ":"))
+        body_head, _, body_tail = body.partition("__N__")
 
         cases = {
             "bare POST /jobs": (bare_url + "/jobs", "POST", {}),
@@ -323,7 +330,8 @@ def main() -> int:
                             "auth": auth_line,
                             "run": f"{run_id}{run}",
                             "path": "/" + path,
-                            "body": body,
+                            "body_head": body_head,
+                            "body_tail": body_tail,
                         }
                     else:
                         script = WRK_GET % {"key": KEY} if headers else ""

@@ -302,10 +302,15 @@ class JobRun:
             from ckptconv.storage import open_storage
 
             storage = open_storage(uri)
-            if rec["state"] != "succeeded" and storage.exists(uri):
-                previous = json.loads(storage.read_all(uri))
-                if previous.get("id") != rec["id"] and previous.get("state") == "succeeded":
-                    return  # never hide the record of the job that produced what is at the target
+            if storage.exists(uri):
+                try:
+                    previous = json.loads(storage.read_all(uri))
+                except ValueError:
+                    return  # not a record of ours: never replace it
+                if not isinstance(previous, dict) or "id" not in previous:
+                    return
+                if previous["id"] != rec["id"] and rec["state"] != "succeeded":
+                    return  # a job that produced nothing never hides another job's record
             storage.write_bytes(uri, json.dumps(doc, indent=2).encode(), overwrite=True)
         except Exception as e:
             log.warning("job %s: could not mirror the record to %s: %s", self.job_id, uri, e)

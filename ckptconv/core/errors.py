@@ -183,6 +183,12 @@ class TargetExists(CkptconvError):
     default_hint = "choose another target URI or delete the existing one first; ckptconv never overwrites"
 
 
+class TargetTaken(Conflict):
+    code = "target_taken"
+    title = "Another job is writing this target"
+    default_hint = "wait for that job to end, cancel it, or choose another target URI"
+
+
 class PathEscape(CkptconvError):
     code = "path_escape"
     http_status = 422
@@ -300,6 +306,15 @@ class WorkerLost(CkptconvError):
     http_status = 500
     title = "The job's worker was lost too many times"
     default_hint = "workers running this job died repeatedly (often: out of memory); give them more memory and resubmit"
+
+
+class LeaseLost(CkptconvError):
+    """This attempt of a job is no longer the current one: another worker took the job over."""
+
+    code = "lease_lost"
+    http_status = 409
+    title = "Another worker took this job over"
+    default_hint = "nothing to do: the job continues on the worker that took it over"
 
 
 class DataloaderStateError(ConversionError):

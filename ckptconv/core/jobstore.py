@@ -12,6 +12,10 @@ Layout (every key starts with ``Settings.redis_prefix``, written ``{p}`` below):
   ``{p}jobs:s:{state}``, scored by the time of the last change, counts jobs by state for the metrics.
 - ``{p}events:{id}``: a capped stream of progress and state events (server-sent events replay it).
 - ``{p}lease:{id}``: which worker runs the job; ``{p}idem:{owner}:{hash}``: Idempotency-Key records.
+- ``{p}target:{hash}``: the reservation of a target URI (value: the job id). Taken by the submit
+  script when the job is accepted (``SET NX`` semantics: a second job for the same target is refused
+  with ``target_taken``) and deleted by ``transition`` when the job reaches a final state. The job's
+  hash names it in ``target_key``. A reservation whose job is gone or final is stale and is taken over.
 
 Every change of state goes through one Lua function (``transition``) that checks the current
 state, moves the job between index sets, appends the event and, for a final state, counts it in
@@ -21,6 +25,7 @@ index keys from the prefix, so this layout assumes one Redis (not a cluster).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
@@ -40,6 +45,12 @@ def now_ms() -> int:
 def new_job_id() -> str:
     """Time-ordered, unguessable: 12 hex digits of milliseconds, then 80 random bits."""
     return f"job_{now_ms():012x}{secrets.token_hex(10)}"
+
+
+def target_identity(uri: str) -> str:
+    """What two requests must agree on to name the same target: the canonical URI (as the API
+    records it) without trailing slashes, so that ``s3://b/out`` and ``s3://b/out/`` are one target."""
+    return uri.rstrip("/") or uri
 
 
 def iso(ms: str | int | None) -> str | None:
@@ -64,6 +75,10 @@ class RedisKeys:
 
     def lease(self, job_id: str) -> str:
         return f"{self.p}lease:{job_id}"
+
+    def target(self, uri: str) -> str:
+        """The reservation key of a target URI (see :func:`target_identity`)."""
+        return f"{self.p}target:{hashlib.sha256(target_identity(uri).encode()).hexdigest()[:40]}"
 
     def owner_index(self, owner: str) -> str:
         return f"{self.p}jobs:o:{owner}"
@@ -147,6 +162,8 @@ local function transition(p, job_key, events_key, id, allowed, to, now, retentio
   redis.call('XADD', events_key, 'MAXLEN', '~', __MAXLEN__, '*', 'type', 'state', 'data', event)
   if TERMINAL[to] and not TERMINAL[cur] then
     finish_stats(p, job_key, to, now, nbytes)
+    local target_key = redis.call('HGET', job_key, 'target_key')
+    if target_key and redis.call('GET', target_key) == id then redis.call('DEL', target_key) end
     if retention > 0 then
       redis.call('PEXPIRE', job_key, retention)
       redis.call('PEXPIRE', events_key, retention)
@@ -193,8 +210,10 @@ return {'unchanged', meta[1]}
 """
 )
 
-# Create a job, its index entries, its Idempotency-Key record and its queue message, atomically.
-# KEYS: job, idempotency (or ''), queue.
+# Create a job, its index entries, its target reservation, its Idempotency-Key record and its queue
+# message, atomically. The Idempotency-Key is looked up first (a repeated request gets the first
+# answer even while its job holds the target); then the target: held by a live job -> refused.
+# KEYS: job, idempotency (or ''), queue, target reservation (or '').
 # ARGV: prefix, id, owner, kind, fingerprint, idem_ttl_ms, response_body, message, record (JSON
 #       object of the hash's fields), labels (JSON object). JSON rather than one argument per field:
 #       redis-py packs each argument in Python, which made packing the costliest part of a submit.
@@ -205,6 +224,18 @@ if KEYS[2] ~= '' then
   if prev[1] then
     return {'exists', prev[1], prev[2] or '', prev[3] or '', prev[4] or '', prev[5] or ''}
   end
+end
+if KEYS[4] ~= '' then
+  local holder = redis.call('GET', KEYS[4])
+  if holder then
+    local held = redis.call('HMGET', p .. 'job:' .. holder, 'state', 'owner')
+    if held[1] and held[1] ~= 'succeeded' and held[1] ~= 'failed' and held[1] ~= 'cancelled' then
+      return {'target_taken', holder, held[2]}
+    end
+  end
+  redis.call('SET', KEYS[4], id)
+end
+if KEYS[2] ~= '' then
   redis.call('HSET', KEYS[2], 'fp', ARGV[5], 'status', 'done', 'code', '202', 'body', ARGV[7],
              'location', '/v1/jobs/' .. id)
   redis.call('PEXPIRE', KEYS[2], ARGV[6])
@@ -317,7 +348,14 @@ def _webhook_view(webhook: dict[str, Any], delivery: dict[str, Any] | None) -> d
 
 
 def new_record(
-    job_id: str, *, owner: str, kind: str, request: dict[str, Any], webhook_secret: str | None, created: int
+    job_id: str,
+    *,
+    owner: str,
+    kind: str,
+    request: dict[str, Any],
+    webhook_secret: str | None,
+    created: int,
+    target_key: str | None = None,
 ) -> dict[str, str]:
     rec = {
         "id": job_id,
@@ -332,6 +370,8 @@ def new_record(
     }
     if webhook_secret:
         rec["webhook_secret"] = webhook_secret
+    if target_key:
+        rec["target_key"] = target_key
     return rec
 
 
@@ -433,9 +473,10 @@ class AsyncJobStore:
         queue: str,
         message: str,
     ) -> list[str]:
-        """Create the job and enqueue its message; or, for a known Idempotency-Key, the stored outcome."""
+        """Create the job and enqueue its message; or, for a known Idempotency-Key, the stored outcome;
+        or ``["target_taken", holder job id, holder owner]`` when a live job holds the target."""
         out = await self._submit(
-            keys=[self.keys.job(rec["id"]), idem_key or "", self.keys.queue(queue)],
+            keys=[self.keys.job(rec["id"]), idem_key or "", self.keys.queue(queue), rec.get("target_key", "")],
             args=[
                 self.keys.p,
                 rec["id"],

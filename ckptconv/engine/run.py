@@ -4,20 +4,28 @@ The flow of one conversion (DESIGN.md):
 
 1. open the source (metadata only) and build a plan (``ckptconv.engine.plan``);
 2. execute it into a sink that writes under a **staging** prefix beside the target
-   (``<parent>/.ckptconv-staging/<id>/``), hashing every value on the way;
+   (``<parent>/.ckptconv-staging/<job id>/<attempt>/``: see ``ckptconv.core.fencing``), hashing
+   every value on the way;
 3. commit the sink (into staging), reopen what it wrote and compare every entry (``verify_output``);
    compute each file's sha256 meanwhile; write ``manifest.json`` into staging;
-4. publish: move every file to the target (rename locally, server-side copy on S3), the manifest
-   last, then delete the staging prefix.
+4. publish: move every file to the target (hard link locally, server-side copy on S3), create-only
+   (``os.link`` / ``If-None-Match: *``), the manifest last, then delete the staging prefix.
 
-A failure or cancellation before step 4 deletes the staging prefix: nothing ever appears at the
-target. A redelivered job (same ``job_id``) is idempotent: a published manifest with that id is
-returned as is; a staged, verified output whose publication was interrupted is published again.
+A failure or cancellation before step 4 deletes the staging prefix; a failure during step 4
+removes the files this publication placed: nothing ever appears at the target without its
+manifest. Publication never replaces bytes it did not write: a file already at a final name is
+accepted only when it holds exactly the staged bytes (an interrupted publication of the same job),
+otherwise the job fails with ``target_exists``. Under a worker, every move is fenced by the
+attempt number. A redelivered job (same ``job_id``) is idempotent: a published manifest with that
+id is returned as is; a staged, verified output of any attempt whose publication was interrupted
+is published again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,10 +39,12 @@ from typing import Any
 from ckptconv import __version__
 from ckptconv.core.errors import (
     InvalidRequest,
+    LeaseLost,
     ObjectNotFound,
     TargetExists,
     VerificationFailed,
 )
+from ckptconv.core.fencing import current_attempt, fence
 from ckptconv.core.uri import normalize_uri
 from ckptconv.engine.execute import (
     CancelFn,
@@ -166,8 +176,26 @@ def _layout(storage: Storage, target: str, staging: str | None, job_id: str | No
     target = target.rstrip("/")
     parent = _parent(target)
     if staging is None:
-        staging = storage.join(parent, STAGING_DIR, job_id or uuid.uuid4().hex)
+        attempt = current_attempt(job_id) if job_id else None
+        staging = storage.join(_job_staging(storage, parent, job_id), str(attempt.number if attempt else 0))
     return _Layout(storage, target, parent, staging.rstrip("/"))
+
+
+def _job_staging(storage: Storage, parent: str, job_id: str | None) -> str:
+    """Where every attempt of one job stages (``<parent>/.ckptconv-staging/<job id>``)."""
+    return storage.join(parent, STAGING_DIR, job_id or uuid.uuid4().hex)
+
+
+def _attempt_stagings(layout: _Layout, job_id: str) -> list[_Layout]:
+    """The staging areas of this job's attempts that exist, the newest attempt first."""
+    root = _job_staging(layout.storage, layout.parent, job_id)
+    found: set[str] = set()
+    for info in layout.storage.list(root + "/"):
+        first = info.uri[len(root) + 1 :].split("/", 1)[0]
+        if first:
+            found.add(first)
+    order = sorted(found, key=lambda a: (not a.isdigit(), -int(a) if a.isdigit() else 0, a))
+    return [dataclasses.replace(layout, staging=layout.storage.join(root, a)) for a in order]
 
 
 def _target_exists(storage: Storage, target: str, fmt: str) -> bool:
@@ -177,22 +205,34 @@ def _target_exists(storage: Storage, target: str, fmt: str) -> bool:
     return fmt == "tf" and storage.exists(target + ".index")
 
 
-def _discard(layout: _Layout) -> None:
-    """Delete the staging prefix and, locally, the staging directories it leaves empty."""
-    layout.storage.delete_prefix(layout.staging + "/")
-    local = layout.storage.local_path(layout.staging)
+def _discard(layout: _Layout, prefix: str | None = None) -> None:
+    """Delete the staging prefix (or ``prefix``, a job's staging root) and, locally, the staging
+    directories it leaves empty."""
+    prefix = prefix or layout.staging
+    layout.storage.delete_prefix(prefix + "/")
+    local = layout.storage.local_path(prefix)
     if local is not None:
-        for d in (local, local.parent):
-            try:
-                d.rmdir()
-            except OSError:  # absent, or still used by another job: keep it
-                pass
+        for d in (local, local.parent, local.parent.parent):
+            if d.name == STAGING_DIR or d == local or d.parent.name == STAGING_DIR:
+                try:
+                    d.rmdir()
+                except OSError:  # absent, or still used by another job: keep it
+                    pass
+
+
+def _discard_job(layout: _Layout, job_id: str | None) -> None:
+    """Delete the staging of every attempt of the job (after its publication, or for good)."""
+    _discard(layout, _job_staging(layout.storage, layout.parent, job_id) if job_id else None)
 
 
 def discard_staging(target: str, job_id: str, staging: str | None = None) -> None:
-    """Remove what a job (e.g. one whose worker died) left in its staging area; idempotent."""
+    """Remove what a job (e.g. one whose worker died) left in its staging areas; idempotent."""
     target = normalize_uri(target)
-    _discard(_layout(open_storage(target), target, staging, job_id))
+    layout = _layout(open_storage(target), target, staging, job_id)
+    if staging is not None:
+        _discard(layout)
+    else:
+        _discard_job(layout, job_id)
 
 
 def _read_json(storage: Storage, uri: str) -> dict[str, Any] | None:
@@ -337,44 +377,89 @@ def _fill_sha256(storage: Storage, outputs: list[OutputFile]) -> list[OutputFile
 
 
 def _resume(layout: _Layout, job_id: str | None) -> ConvertResult | None:
-    """Idempotent redelivery: the finished result, or the publication of a staged one."""
+    """Idempotent redelivery: the finished result, or the publication of a staged one (any attempt's)."""
     if job_id is None:
         return None
     storage = layout.storage
     for uri in layout.manifest_candidates():
         doc = _read_json(storage, uri)
         if doc is not None and doc.get("job_id") == job_id:
+            _discard_job(layout, job_id)
             return ConvertResult.from_manifest(uri, doc)
-    for uri in layout.manifest_candidates():
-        staged = storage.join(layout.staging, uri[len(layout.parent) + 1 :])
-        if storage.exists(staged):
-            return _publish(layout, job_id)
+    for staged in _attempt_stagings(layout, job_id):
+        if _staged_manifest(staged) is not None:
+            return _publish(staged, job_id)
     return None
 
 
-def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
-    """Move staged files to the target, the manifest last. Safe to run again after a crash."""
-    storage = layout.storage
-    staged_manifest = None
-    doc = None
+def _staged_manifest(layout: _Layout) -> tuple[str, str, dict[str, Any]] | None:
+    """(staged URI, final URI, document) of the manifest in this staging area, if it has one."""
     for uri in layout.manifest_candidates():
-        candidate = storage.join(layout.staging, uri[len(layout.parent) + 1 :])
-        doc = _read_json(storage, candidate)
+        candidate = layout.storage.join(layout.staging, uri[len(layout.parent) + 1 :])
+        doc = _read_json(layout.storage, candidate)
         if doc is not None:
-            staged_manifest = (candidate, uri)
-            break
-    if doc is None or staged_manifest is None:
+            return candidate, uri, doc
+    return None
+
+
+def _holds(storage: Storage, uri: str, entry: dict[str, Any]) -> bool:
+    """True when ``uri`` exists and holds exactly the bytes the manifest entry describes."""
+    try:
+        if storage.stat(uri).size != entry["size"]:
+            return False
+    except ObjectNotFound:
+        return False
+    return entry.get("sha256") is not None and storage.sha256(uri) == entry["sha256"]
+
+
+def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
+    """Move staged files to the target, the manifest last. Safe to run again after a crash.
+
+    Create-only: a final name that already exists is accepted only when it holds the staged bytes
+    (this job's interrupted publication); anything else fails with TargetExists and nothing is
+    replaced. A failure removes what this call placed, unless the attempt lost the job meanwhile
+    (its successor may already rely on those bytes).
+    """
+    storage = layout.storage
+    found = _staged_manifest(layout)
+    if found is None:
         raise VerificationFailed("the staged output has no manifest; nothing was published")
-    pairs = []
-    for f in doc["files"]:
-        staged = storage.join(layout.staging, f["path"])
-        if storage.exists(staged):
-            pairs.append((staged, f["uri"]))
-        elif not storage.exists(f["uri"]):
-            raise VerificationFailed(f"staged file {f['path']} vanished before publication")
-    # overwrite=True only matters after a crash mid-publication: the target file is then our own.
-    resumed = job_id is not None and any(storage.exists(dst) for _, dst in pairs)
-    storage.publish(pairs, overwrite=resumed)
-    storage.publish([staged_manifest], overwrite=False)
-    _discard(layout)
-    return ConvertResult.from_manifest(staged_manifest[1], doc)
+    staged_manifest, final_manifest, doc = found
+    placed: list[str] = []
+    try:
+        for f in doc["files"]:
+            staged = storage.join(layout.staging, f["path"])
+            if storage.exists(f["uri"]):
+                if not _holds(storage, f["uri"], f):
+                    raise TargetExists(f"{f['uri']} already exists and was not written by this job", uri=f["uri"])
+                with contextlib.suppress(ObjectNotFound):
+                    storage.delete(staged)
+                continue
+            if not storage.exists(staged):
+                raise VerificationFailed(f"staged file {f['path']} vanished before publication")
+            fence(job_id)
+            storage.publish([(staged, f["uri"])], overwrite=False)
+            placed.append(f["uri"])
+        fence(job_id)
+        storage.publish([(staged_manifest, final_manifest)], overwrite=False)
+    except LeaseLost:
+        raise
+    except BaseException:
+        if _unpublish(storage, placed, job_id):
+            _discard(layout)
+        raise
+    _discard_job(layout, job_id)
+    return ConvertResult.from_manifest(final_manifest, doc)
+
+
+def _unpublish(storage: Storage, placed: list[str], job_id: str | None) -> bool:
+    """Remove the files a failed publication placed (never anything else), if this attempt still
+    owns the job; returns whether it does."""
+    try:
+        fence(job_id)
+    except LeaseLost:
+        return False
+    for uri in reversed(placed):
+        with contextlib.suppress(Exception):  # best effort: the original error is the one to report
+            storage.delete(uri)
+    return True

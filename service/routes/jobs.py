@@ -20,7 +20,7 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ckptconv.core.auth import Principal
-from ckptconv.core.errors import Cancelled, Conflict, InvalidRequest, NotFound
+from ckptconv.core.errors import Cancelled, Conflict, InvalidRequest, NotFound, TargetTaken
 from ckptconv.core.jobstore import TERMINAL, job_resource, new_job_id, new_record, now_ms
 from ckptconv.jobs.kinds import get_kind
 from service.deps import AppState, Authorized, IdempotencyKey, fingerprint, idempotency_record_key
@@ -85,6 +85,7 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
         request=request_doc,
         webhook_secret=body.webhook.secret if body.webhook else None,
         created=created,
+        target_key=state.keys.target(target_doc["uri"]) if target_doc else None,
     )
     response_body = _json(job_resource(rec))
     record_key = idempotency_record_key(state, caller, idempotency_key) if idempotency_key else None
@@ -99,6 +100,10 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
         queue=settings.jobs_queue,
         message=state.messages.run_job(job_id, queue=settings.jobs_queue, max_runtime_seconds=max_runtime),
     )
+    if outcome[0] == "target_taken":
+        _, holder, holder_owner = outcome
+        mine = f" ({holder})" if holder_owner == caller.id else ""
+        raise TargetTaken(f"another job{mine} is writing {target_doc['uri'] if target_doc else 'this target'}")
     if outcome[0] != "created":
         return replay(outcome, fp)
     return Response(
