@@ -16,7 +16,6 @@ import concurrent.futures
 import uuid
 from pathlib import Path
 
-import boto3
 import httpx
 import pytest
 from test_e2e_service import Service
@@ -27,16 +26,9 @@ from ckptconv.storage import open_storage
 
 
 @pytest.fixture(scope="module")
-def bucket(s3_server: str) -> str:
-    name = f"faults-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
-    return name
-
-
-@pytest.fixture(scope="module")
-def api(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactory):
-    """An API process with no worker: submitted jobs stay queued."""
-    svc = Service(redis_url, bucket, tmp_path_factory.mktemp("api"))
+def api(redis_url: str, tmp_path_factory: pytest.TempPathFactory):
+    """An API process with no worker: submitted jobs stay queued (their bucket need not exist)."""
+    svc = Service(redis_url, "faults-api", tmp_path_factory.mktemp("api"))
     try:
         yield svc
     finally:
@@ -107,13 +99,13 @@ def _writes_into_target_mid_run(storage_uri: str):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_publication_never_replaces_bytes_it_did_not_write(where: str, tmp_path: Path, bucket: str) -> None:
+def test_publication_never_replaces_bytes_it_did_not_write(where: str, tmp_path: Path, s3_bucket: str) -> None:
     import torch
     from safetensors.torch import save_file
 
     src = tmp_path / "in.safetensors"
     save_file({f"w{i}": torch.full((8,), float(i)) for i in range(4)}, str(src))
-    base = str(tmp_path / "out") if where == "local" else f"s3://{bucket}/team/foreign-{uuid.uuid4().hex[:6]}"
+    base = str(tmp_path / "out") if where == "local" else f"s3://{s3_bucket}/team/foreign-{uuid.uuid4().hex[:6]}"
     target = base + "/model"
     foreign = target + "/model.safetensors"
     with pytest.raises(TargetExists):
