@@ -119,3 +119,20 @@ def test_dill_helpers_are_looked_up_in_tables():
     assert point._fields == ("x", "y")
     with pytest.raises(UnsafeCheckpoint):
         rp.loads(fake("dill._dill", "_create_namedtuple", ("P", ("x; import os",), "m")))
+
+
+@pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
+def test_deep_nesting_is_corrupt_at_every_protocol(protocol):
+    # MARK x N, then LIST x N: [[[...]]] 5,000 deep (pickle.dumps itself would recurse too deeply).
+    data = (b"\x80" + bytes([protocol]) if protocol >= 2 else b"") + b"(" * 5_000 + b"l" * 5_000 + b"."
+    with pytest.raises(CorruptCheckpoint, match="nest"):
+        rp.loads(data)
+    assert rp.try_loads(data) == (False, None)
+
+
+@pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
+def test_one_outcome_per_payload_whatever_the_protocol(protocol):
+    assert rp.loads(pickle.dumps([1, 2, 3], protocol=protocol)) == [1, 2, 3]
+    with pytest.raises(UnsafeCheckpoint) as info:
+        rp.loads(pickle.dumps(_Evil(os.system, "true"), protocol=protocol))
+    assert info.value.details["global_name"].endswith(".system")

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat, UnsupportedValue
 from ckptconv.formats.base import Entry
-from ckptconv.formats.torch_pickle import TorchSink, TorchSource, describe_pickle
+from ckptconv.formats.torch_archive import describe_pickle
+from ckptconv.formats.torch_pickle import TorchSink, TorchSource
 from ckptconv.formats.tree import TreeSpec, flatten
 from ckptconv.storage import open_storage
 from ckptconv.storage.s3 import S3Storage
@@ -159,6 +160,23 @@ def test_reads_legacy_pickles_locally_only(tmp_path: Path, s3_bucket: str) -> No
     open_storage(uri).write_bytes(uri, path.read_bytes())
     with pytest.raises(UnsupportedFormat):
         TorchSource(open_storage(uri), uri)
+
+
+@pytest.mark.parametrize("protocol", range(0, 6))
+def test_a_plain_pickle_gets_one_outcome_locally_and_on_s3(tmp_path: Path, s3_bucket: str, protocol: int) -> None:
+    import pickle
+
+    for name, payload, error in (
+        ("list", pickle.dumps([1, 2, 3], protocol=protocol), UnsupportedFormat),
+        ("exec", (ATTACKS / "torch_plain_exec_p4.pt").read_bytes(), UnsafeCheckpoint),
+    ):
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(payload)
+        uri = f"s3://{s3_bucket}/plain-{protocol}/{name}.pt"
+        open_storage(uri).write_bytes(uri, payload)
+        for storage, where in ((local(), str(path)), (open_storage(uri), uri)):
+            with pytest.raises(error):
+                TorchSource(storage, where)
 
 
 def test_non_plain_leaves_become_pickle_objects(tmp_path: Path) -> None:

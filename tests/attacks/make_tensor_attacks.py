@@ -48,6 +48,11 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "torch_self_reference.pt": ("CorruptCheckpoint", "open"),
     "torch_bad_local_header.pt": ("CorruptCheckpoint", "read"),
     "torch_index_escape": ("PathEscape", "open"),
+    # A pickle that torch.save did not write: plain data is not a checkpoint, at every protocol;
+    # naming a callable is unsafe, at every protocol. Nesting is bounded inside an archive too.
+    **{f"torch_plain_list_p{p}.pt": ("UnsupportedFormat", "open") for p in (0, 2, 3, 4, 5)},
+    **{f"torch_plain_exec_p{p}.pt": ("UnsafeCheckpoint", "open") for p in (0, 2, 3, 4, 5)},
+    "torch_deep_nesting.pt": ("CorruptCheckpoint", "open"),
 }
 
 
@@ -174,6 +179,11 @@ def _stack_global_pickle() -> bytes:
     return b"\x80\x04" + short("os") + short("system") + b"\x93" + short(f"echo pwned > {MARKER}") + b"\x85R."
 
 
+def _deep_pickle(depth: int) -> bytes:
+    # PROTO 2, then EMPTY_LIST + MARK ``depth`` times, then APPENDS ``depth`` times: [[[...]]].
+    return b"\x80\x02" + b"](" * depth + b"e" * depth + b"."
+
+
 def _legacy_exec() -> bytes:
     # The legacy (pre-1.6) layout starts with three small pickles; the payload sits where the
     # state dict belongs.
@@ -211,6 +221,9 @@ def torch_files() -> dict[str, bytes]:
         "torch_storage_too_small.pt": _storage_too_small(good),
         "torch_self_reference.pt": _rezip(good, {"data.pkl": _self_reference_pickle()}),
         "torch_bad_local_header.pt": _bad_local_header(good),
+        **{f"torch_plain_list_p{p}.pt": pickle.dumps([1, 2, 3], protocol=p) for p in (0, 2, 3, 4, 5)},
+        **{f"torch_plain_exec_p{p}.pt": pickle.dumps(_RunsShell(), protocol=p) for p in (0, 2, 3, 4, 5)},
+        "torch_deep_nesting.pt": _rezip(good, {"data.pkl": _deep_pickle(5_000)}),
     }
 
 

@@ -1,0 +1,126 @@
+"""A zip archive written front to back, as ``torch.save`` lays it out, without seeking (ZIP64 included)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Protocol
+
+
+class _Out(Protocol):
+    def write(self, data: bytes | memoryview) -> object: ...
+
+
+class ZipStreamWriter:
+    """Writes a zip archive front to back, as ``torch.save`` lays it out, without seeking.
+
+    Members are stored uncompressed, their data aligned to ``alignment`` bytes by an ``FB``
+    padding extra field, sizes and CRC in a data descriptor after the data (flag bit 3), and the
+    archive always ends with zip64 end records. Members of ``zip64_from`` bytes or more, or
+    starting beyond 4 GiB, carry zip64 extra fields.
+    """
+
+    def __init__(self, out: _Out, *, alignment: int = 64, zip64_from: int = 0xFFFFFFFF) -> None:
+        self.out = out
+        self.alignment = alignment
+        self.zip64_from = zip64_from
+        self.pos = 0
+        self.members: list[tuple[bytes, int, int, int]] = []  # name, header offset, crc, size
+        self._open: tuple[bytes, int, int, bool] | None = None  # name, header offset, size, zip64
+        self._crc = 0
+        self._written = 0
+
+    def _emit(self, data: bytes | memoryview) -> None:
+        self.out.write(data)
+        self.pos += data.nbytes if isinstance(data, memoryview) else len(data)
+
+    def add(self, name: str, data: bytes) -> None:
+        self.begin(name, len(data))
+        self.feed(data)
+        self.end()
+
+    def begin(self, name: str, size: int) -> None:
+        if self._open is not None:
+            raise RuntimeError("zip member still open")
+        raw = name.encode()
+        zip64 = size >= self.zip64_from or self.pos >= 0xFFFFFFFF
+        extra = struct.pack("<HHQQ", 1, 16, 0, 0) if zip64 else b""
+        pad = -(self.pos + 30 + len(raw) + len(extra) + 4) % self.alignment
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding, as torch writes it
+        version = 45 if zip64 else 0
+        self._emit(struct.pack("<IHHHHHIIIHH", 0x04034B50, version, 0x0808, 0, 0, 0, 0, 0, 0, len(raw), len(extra)))
+        self._emit(raw + extra)
+        self._open = (raw, self.pos - 30 - len(raw) - len(extra), size, zip64)
+        self._crc = 0
+        self._written = 0
+
+    def feed(self, data: bytes | memoryview) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+        self._written += data.nbytes if isinstance(data, memoryview) else len(data)
+        self._emit(data)
+
+    def end(self) -> None:
+        if self._open is None:
+            raise RuntimeError("no zip member open")
+        raw, offset, size, zip64 = self._open
+        if self._written != size:
+            raise RuntimeError(f"zip member {raw!r}: {self._written} bytes written, {size} announced")
+        if zip64:
+            self._emit(struct.pack("<IIQQ", 0x08074B50, self._crc, size, size))
+        else:
+            self._emit(struct.pack("<IIII", 0x08074B50, self._crc, size, size))
+        self.members.append((raw, offset, self._crc, size))
+        self._open = None
+
+    def finish(self) -> None:
+        cd_start = self.pos
+        for raw, offset, crc, size in self.members:
+            big_size = size >= self.zip64_from
+            big_offset = offset >= 0xFFFFFFFF
+            extra = b""
+            if big_size or big_offset:
+                fields = (size, size) if big_size else ()
+                fields += (offset,) if big_offset else ()
+                extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields)
+            version = 45 if extra else 0
+            self._emit(
+                struct.pack(
+                    "<IHHHHHHIIIHHHHHII",
+                    0x02014B50,
+                    version,
+                    version,
+                    0x0808,
+                    0,
+                    0,
+                    0,
+                    crc,
+                    0xFFFFFFFF if big_size else size,
+                    0xFFFFFFFF if big_size else size,
+                    len(raw),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0xFFFFFFFF if big_offset else offset,
+                )
+            )
+            self._emit(raw + extra)
+        cd_size = self.pos - cd_start
+        n = len(self.members)
+        eocd64 = self.pos
+        self._emit(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, n, n, cd_size, cd_start))
+        self._emit(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
+        self._emit(
+            struct.pack(
+                "<IHHHHIIH",
+                0x06054B50,
+                0,
+                0,
+                min(n, 0xFFFF),
+                min(n, 0xFFFF),
+                min(cd_size, 0xFFFFFFFF),
+                min(cd_start, 0xFFFFFFFF),
+                0,
+            )
+        )
