@@ -10,6 +10,7 @@ lint: setup
 
 test: setup
 	scripts/setup-tf-oracle.sh >/dev/null
+	scripts/setup-browser.sh
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -22,7 +22,7 @@ from ckptconv.core.settings import Settings, get_settings
 from service import problems
 from service.deps import BEARER_SCHEME, AppState
 from service.queue import TaskMessages
-from service.routes import catalog, health, jobs, models, plans
+from service.routes import catalog, dashboard, health, jobs, models, plans
 from service.schemas.common import PROBLEM_JSON, Problem
 
 DESCRIPTION = """\
@@ -100,7 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     problems.install(app)
-    for router in (jobs.router, plans.router, catalog.router, models.router, health.router):
+    for router in (jobs.router, plans.router, catalog.router, models.router, health.router, dashboard.router):
         app.include_router(router)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

@@ -54,7 +54,14 @@ def _free_port() -> int:
 class Service:
     """An API process and worker processes sharing one Redis prefix (their own queues and records)."""
 
-    def __init__(self, redis_url: str, bucket: str, tmp: Path, prefixes: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        bucket: str,
+        tmp: Path,
+        prefixes: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
         self.bucket = bucket
         self.tmp = tmp
@@ -70,22 +77,33 @@ class Service:
             "CKPTCONV_REDIS_PREFIX": self.prefix,
             "CKPTCONV_API_KEYS_FILE": str(keys_file),
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
-        self.api = self._spawn("api", ["serve", "--port", str(self.port), "--log-level", "warning"])
+        self.url = self.start_api()
+
+    def start_api(self, **env: str) -> str:
+        """An API process on this Redis prefix (so served by these workers), with settings overridden by
+        ``env``; returns its URL once it answers."""
+        port = _free_port()
+        proc = self._spawn("api", ["serve", "--port", str(port), "--log-level", "warning"], env)
+        url = f"http://127.0.0.1:{port}"
         try:
-            self._wait_http()
+            self._wait_http(url, proc)
         except BaseException:
             self.stop()
             raise
+        return url
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptconv", *args], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "ckptconv", *args],
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -100,17 +118,17 @@ class Service:
             time.sleep(0.1)
         return proc
 
-    def _wait_http(self) -> None:
+    def _wait_http(self, url: str, proc: subprocess.Popen) -> None:
         import httpx
 
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
-            assert self.api.poll() is None, Path(self.api.log_path).read_text()  # type: ignore[attr-defined]
+            assert proc.poll() is None, Path(proc.log_path).read_text()  # type: ignore[attr-defined]
             assert time.monotonic() < deadline, "API did not start"
             time.sleep(0.1)
 
