@@ -8,9 +8,10 @@ Both sides run 2 uvicorn workers against the same Redis; 50 connections load the
 (which competes for the same two cores, so figures are lower).
 
 - bare POST: pydantic validation, one HSET, one Celery ``send_task``; bare GET: one HGETALL.
-- ckptconv POST /v1/jobs: API-key auth (hashed, cached), validation, scope checks, an
+- ckptconv POST /v1/jobs: API-key auth (hashed, cached), the per-key rate limit (one Redis round
+  trip per share of the budget, not per request), the body limit, validation, scope checks, an
   Idempotency-Key per request, and one Redis script (record + indexes + idempotency record + the
-  Celery message); GET /v1/jobs/{id}: auth, one HGETALL, the job resource.
+  Celery message); GET /v1/jobs/{id}: auth, rate limit, one HGETALL, the job resource.
 
 No worker runs: messages pile up in queues under a prefix of this run, deleted at the end. Prints
 the median of ``--runs`` runs of each case and the ratios; never asserts on time. Loopback only,
@@ -288,6 +289,8 @@ def main() -> int:
         "CKPTCONV_REDIS_URL": args.redis_url,
         "CKPTCONV_REDIS_PREFIX": prefix_ours,
         "CKPTCONV_API_KEYS_FILE": str(tmp / "keys.yaml"),
+        # The per-key rate limit stays on the measured path, set above what one key sends here.
+        "CKPTCONV_RATE_LIMIT_PER_SECOND": "1000000",
     }
     bare_env = {**base_env, "BENCH_PREFIX": prefix_bare, "BENCH_REDIS_URL": args.redis_url}
     uvicorn = [sys.executable, "-m", "uvicorn", "--factory", "--workers", "2", "--log-level", "warning"]
@@ -370,10 +373,12 @@ def main() -> int:
     submit = med["ckptconv POST /v1/jobs"]["rps"] / med["bare POST /jobs"]["rps"]
     status = med["ckptconv GET /v1/jobs/{id}"]["rps"] / med["bare GET /jobs/{id}"]["rps"]
     print()
-    print(f"submit throughput: {submit:.0%} of the bare path (target >= 50%)")
-    print(f"status throughput: {status:.0%} of the bare path (target >= 50%)")
+    print(f"submit: {med['ckptconv POST /v1/jobs']['rps']:,.0f}/s (target >= 3,000/s), {submit:.0%} of the bare path")
+    print(
+        f"status: {med['ckptconv GET /v1/jobs/{id}']['rps']:,.0f}/s (target >= 6,000/s), {status:.0%} of the bare path"
+    )
     worst = max(med["ckptconv POST /v1/jobs"]["p99_ms"], med["ckptconv GET /v1/jobs/{id}"]["p99_ms"])
-    print(f"ckptconv p99: {worst:.1f} ms at worst (target < 60 ms)")
+    print(f"ckptconv p99: {worst:.1f} ms at worst (target < 25 ms)")
     out = ROOT / ".bench" / "api_load.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"generator": generator, "median": med, "runs": results}, indent=2))

@@ -21,9 +21,11 @@ from ckptconv.core.jobstore import AsyncJobStore, RedisKeys
 from ckptconv.core.settings import Settings, get_settings
 from service import problems
 from service.deps import BEARER_SCHEME, AppState
+from service.edges import Edges
+from service.limits import RateLimiter, StreamSlots
 from service.queue import TaskMessages
 from service.routes import catalog, dashboard, health, jobs, models, plans
-from service.schemas.common import PROBLEM_JSON, Problem
+from service.schemas.common import PROBLEM_JSON, Problem, problem_responses
 
 DESCRIPTION = """\
 Convert deep-learning checkpoints between formats, as long-running jobs.
@@ -51,8 +53,12 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     ref = {"$ref": "#/components/schemas/Problem"}
     for path_item in doc.get("paths", {}).values():
         for op in path_item.values():
-            if "401" in op.get("responses", {}):
+            responses = op.get("responses", {})
+            if "401" in responses:  # service.edges: every authenticated route answers these two
                 op["security"] = [{"bearer": []}]
+                responses.setdefault("429", problem_responses(429)[429])
+            if "requestBody" in op:
+                responses.setdefault("413", problem_responses(413)[413])
             for code, response in op.get("responses", {}).items():
                 if code == "default" or int(code) >= 400:
                     response["content"] = {PROBLEM_JSON: {"schema": ref}}
@@ -69,16 +75,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import redis.asyncio
 
-        client = redis.asyncio.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
+        def client(max_connections: int) -> Any:
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                settings.redis_url,
+                decode_responses=True,
+                socket_connect_timeout=5,
+                max_connections=max_connections,
+                timeout=settings.redis_pool_timeout_seconds,
+            )
+            return redis.asyncio.Redis.from_pool(pool)
+
+        short, blocking = client(settings.redis_max_connections), client(settings.redis_blocking_connections)
         keys = RedisKeys(settings.redis_prefix, settings.broker_prefix)
         file_keys = load_keys_file(settings.api_keys_file) if settings.api_keys_file else {}
         app.state.ckptconv = AppState(
             settings=settings,
-            redis=client,
+            redis=short,
             keys=keys,
-            store=AsyncJobStore(client, keys, retention_seconds=settings.job_retention_seconds),
-            auth=KeyRegistry(client, keys, file_keys=file_keys, cache_seconds=settings.auth_cache_seconds),
+            store=AsyncJobStore(short, keys, retention_seconds=settings.job_retention_seconds),
+            auth=KeyRegistry(short, keys, file_keys=file_keys, cache_seconds=settings.auth_cache_seconds),
             messages=TaskMessages(keys),
+            limiter=RateLimiter(short, keys, settings.rate_limit_per_second),
+            streams=StreamSlots(short, keys, settings.max_streams_per_key),
+            blocking_redis=blocking,
         )
         if settings.gc_freeze:
             # Everything allocated so far lives as long as the process: keep it out of collections,
@@ -89,7 +108,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            await client.aclose()
+            await short.aclose()
+            await blocking.aclose()
 
     app = FastAPI(
         title="ckptconv",
@@ -100,6 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     problems.install(app)
+    app.add_middleware(Edges)
     for router in (jobs.router, plans.router, catalog.router, models.router, health.router, dashboard.router):
         app.include_router(router)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]

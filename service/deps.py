@@ -12,6 +12,7 @@ from fastapi import Depends, Header, Request
 from ckptconv.core.auth import DEV_PRINCIPAL, KeyRegistry, Principal
 from ckptconv.core.jobstore import AsyncJobStore, RedisKeys
 from ckptconv.core.settings import Settings
+from service.limits import RateLimiter, StreamSlots
 from service.queue import TaskMessages
 
 
@@ -23,6 +24,12 @@ class AppState:
     store: AsyncJobStore
     auth: KeyRegistry
     messages: TaskMessages
+    limiter: RateLimiter
+    streams: StreamSlots
+    # What blocks (event streams' XREAD, dry-run waits' BLPOP) has its own bounded pool, so that it
+    # can never take the connections of the short commands.
+    blocking_redis: Any
+    open_streams: int = 0
 
 
 async def app_state(request: Request) -> AppState:
@@ -37,13 +44,26 @@ State = Annotated[AppState, Depends(app_state)]
 BEARER_SCHEME = {"type": "http", "scheme": "bearer", "description": "an API key: `Authorization: Bearer ckc_...`"}
 
 
-async def principal(request: Request) -> Principal:
-    state: AppState = request.app.state.ckptconv
+CALLER = "ckptconv.caller"  # the scope entry service.edges hands the authenticated principal over in
+
+
+def bearer_token(scope: dict[str, Any]) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+async def authenticate(state: AppState, scope: dict[str, Any]) -> Principal:
     if state.settings.auth_disabled:
         return DEV_PRINCIPAL
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return await state.auth.authenticate(token.strip() if scheme.lower() == "bearer" else None)
+    return await state.auth.authenticate(bearer_token(scope))
+
+
+async def principal(request: Request) -> Principal:
+    # service.edges authenticated the request already (before its body was read).
+    return request.scope.get(CALLER) or await authenticate(request.app.state.ckptconv, request.scope)
 
 
 @dataclass(frozen=True)

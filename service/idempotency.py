@@ -61,7 +61,7 @@ async def idempotent(
             raise
         from service.problems import problem_response
 
-        response = problem_response(e, request)
+        response = problem_response(e, request.url.path, method=request.method)
     except BaseException:
         await state.store.idem_release(record_key)
         raise

@@ -9,6 +9,7 @@ always branch on ``code``.
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,12 +29,14 @@ _BY_STATUS: dict[int, type[errors.CkptconvError]] = {
     404: errors.NotFound,
     405: errors.MethodNotAllowed,
     409: errors.Conflict,
+    413: errors.PayloadTooLarge,
     422: errors.InvalidRequest,
+    429: errors.RateLimited,
     503: errors.ServiceUnavailable,
 }
 
 
-def as_ckptconv_error(exc: BaseException, request: Request) -> errors.CkptconvError:
+def as_error(exc: BaseException, method: str, path: str) -> errors.CkptconvError:
     if isinstance(exc, errors.CkptconvError):
         return exc
     if isinstance(exc, RequestValidationError):
@@ -44,41 +47,68 @@ def as_ckptconv_error(exc: BaseException, request: Request) -> errors.CkptconvEr
     if isinstance(exc, StarletteHTTPException):
         klass = _BY_STATUS.get(exc.status_code)
         if exc.status_code == 404:
-            return errors.NotFound(f"no such resource: {request.method} {request.url.path}")
+            return errors.NotFound(f"no such resource: {method} {path}")
         if exc.status_code == 405:
-            return errors.MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+            return errors.MethodNotAllowed(f"{method} is not allowed on {path}")
         if klass is not None:
             return klass(str(exc.detail))
-    if _is_redis_error(exc):
-        return errors.ServiceUnavailable(f"Redis is not reachable ({type(exc).__name__})")
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return errors.CkptconvError("internal error; the service logged the details")
+    if is_redis_error(exc):
+        return errors.ServiceUnavailable(f"Redis did not answer: {type(exc).__name__}: {exc}")
+    return errors.CkptconvError(f"unhandled {type(exc).__name__}: {exc}", traceback=exc)
 
 
 def _validation_item(e: dict[str, Any]) -> dict[str, Any]:
     return {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
 
 
-def _is_redis_error(exc: BaseException) -> bool:
+def is_redis_error(exc: BaseException) -> bool:
     import redis.exceptions
 
     return isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError)
 
 
+def public(error: errors.CkptconvError, where: str) -> tuple[errors.CkptconvError, str | None]:
+    """What a client may see of ``error``, and the correlation id its details were logged under.
+
+    Server-side failures (5xx) are logged in full (message, details, traceback) under a new
+    correlation id and answered with their class's title and hint only: exception text, endpoint
+    URLs and other internals never leave the service. Client errors (4xx) describe the request and
+    are answered as they are.
+    """
+    if error.http_status < 500:
+        return error, None
+    correlation_id = "corr_" + uuid.uuid4().hex[:20]
+    details = {k: v for k, v in error.details.items() if k != "traceback"}
+    cause = error.details.get("traceback")
+    log.error(
+        "%s %s [correlation id %s]: %s%s",
+        error.code,
+        where,
+        correlation_id,
+        error.message,
+        f" {details}" if details else "",
+        exc_info=cause if isinstance(cause, BaseException) else None,
+    )
+    redacted = type(error)(f"{error.title}; the service logged the details under correlation id {correlation_id}")
+    return redacted, correlation_id
+
+
 def problem_response(
-    error: errors.CkptconvError, request: Request | None = None, headers: dict[str, str] | None = None
+    error: errors.CkptconvError, path: str | None = None, headers: dict[str, str] | None = None, method: str = ""
 ) -> JSONResponse:
+    """The problem document of ``error`` (see :func:`public`) with the headers its status calls for."""
     headers = dict(headers or {})
+    retry_after = getattr(error, "retry_after", None)
+    error, correlation_id = public(error, f"{method} {path or ''}".strip())
+    doc = error.to_problem(instance=path)
+    if correlation_id:
+        doc["correlation_id"] = correlation_id
+        headers["Correlation-Id"] = correlation_id
     if error.http_status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="ckptconv"'
-    if error.http_status == 503:
-        headers["Retry-After"] = "5"
-    return JSONResponse(
-        error.to_problem(instance=request.url.path if request is not None else None),
-        status_code=error.http_status,
-        media_type=PROBLEM_JSON,
-        headers=headers,
-    )
+    if error.http_status in (429, 503):
+        headers["Retry-After"] = str(retry_after or 5)
+    return JSONResponse(doc, status_code=error.http_status, media_type=PROBLEM_JSON, headers=headers)
 
 
 async def handle(request: Request, exc: Exception) -> JSONResponse:
@@ -86,7 +116,7 @@ async def handle(request: Request, exc: Exception) -> JSONResponse:
     headers = dict(getattr(exc, "headers", None) or {}) if isinstance(exc, StarletteHTTPException) else {}
     if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
         headers["Allow"] = ", ".join(_allowed_methods(request))
-    return problem_response(as_ckptconv_error(exc, request), request, headers)
+    return problem_response(as_error(exc, request.method, request.url.path), request.url.path, headers, request.method)
 
 
 def _allowed_methods(request: Request) -> list[str]:

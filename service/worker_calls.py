@@ -3,6 +3,7 @@
 The API pushes a task message on the interactive queue naming a reply list, then waits on that
 list with BLPOP; the worker pushes ``{"ok": true, "value": …}`` or ``{"ok": false, "problem": …}``.
 The message expires with the wait, so a worker that picks it up late does not do stale work.
+The wait holds a connection of the API's blocking pool, never one of the short commands'.
 No Celery result backend is involved.
 """
 
@@ -22,7 +23,7 @@ async def call_worker(state: AppState, task: str, payload: dict[str, Any]) -> An
     reply = state.keys.reply(uuid.uuid4().hex)
     message = state.messages.render(task, [reply, payload], queue=queue, expires_in=timeout)
     await state.messages.push(state.redis, queue, message)
-    out = await state.redis.blpop([reply], timeout=timeout)
+    out = await state.blocking_redis.blpop([reply], timeout=timeout)
     if out is None:
         raise WorkerTimeout(f"no worker answered within {timeout:g} s")
     doc = json.loads(out[1])

@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,39 @@ def redis_url() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@contextmanager
+def api_process(redis_url: str, logdir: Path, env: dict[str, str], workers: int = 1) -> Iterator[str]:
+    """A real API process (``ckptconv serve``) on a free loopback port; yields its base URL.
+
+    ``env`` holds its ``CKPTCONV_*`` settings (at least a Redis prefix of the test's own); its log is
+    ``logdir/api.log``.
+    """
+    port = free_port()
+    log = open(logdir / "api.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptconv", "serve", "--port", str(port), "--workers", str(workers)],
+        cwd=ROOT,
+        env={**os.environ, "CKPTCONV_REDIS_URL": redis_url, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (logdir / "api.log").read_text()
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

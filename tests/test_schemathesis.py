@@ -17,10 +17,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
 from ckptconv.core.auth import hash_key
 
@@ -108,3 +111,43 @@ def test_api_conforms_to_its_openapi_document(case, base_url: str) -> None:
         # documented 422, which this check would count as a failure.
         excluded_checks=[schemathesis.checks.positive_data_acceptance],
     )
+
+
+@pytest.fixture(scope="module")
+def ended_jobs(base_url: str) -> list[str]:
+    """Ended jobs of the fuzzing key: the worker fails them (no source), or the first is cancelled before."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"kind": "convert", "source": {"uri": "/nonexistent/in.safetensors"}}
+    ids = []
+    for _ in range(2):
+        target = {"uri": f"/nonexistent/out-{uuid.uuid4().hex}/model.safetensors", "format": "safetensors"}
+        ids.append(httpx.post(base_url + "/v1/jobs", json={**body, "target": target}, headers=auth).json()["id"])
+    httpx.post(f"{base_url}/v1/jobs/{ids[0]}/cancel", headers=auth)  # 409 if the worker failed it first
+    for job_id in ids:
+        deadline = time.monotonic() + 60
+        while not httpx.get(f"{base_url}/v1/jobs/{job_id}", headers=auth).json()["done"]:
+            assert time.monotonic() < deadline, f"{job_id} did not end"
+            time.sleep(0.1)
+    return ids
+
+
+EVENTS = schema["/v1/jobs/{job_id}/events"]["GET"]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_job_event_streams_conform_to_their_openapi_description(data, base_url: str, ended_jobs: list[str]) -> None:
+    # The generic test above only meets unknown job ids here: follow real jobs, with any Last-Event-ID.
+    mode = data.draw(st.sampled_from([GenerationMode.POSITIVE, GenerationMode.NEGATIVE]))
+    job_id = data.draw(st.sampled_from(ended_jobs))
+    case = data.draw(EVENTS.as_strategy(mode, path_parameters={"job_id": job_id}))
+    response = case.call_and_validate(
+        base_url=base_url,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+        excluded_checks=[schemathesis.checks.positive_data_acceptance],
+    )
+    if response.status_code == 200:
+        assert response.headers["content-type"][0].startswith("text/event-stream")
+        events = [line.split(":", 1)[1].strip() for line in response.text.splitlines() if line.startswith("event:")]
+        assert events[0] == "job" and events[-1] == "job"

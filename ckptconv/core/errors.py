@@ -153,6 +153,37 @@ class IdempotentRequestInFlight(Conflict):
     default_hint = "wait for the first request to finish, then retry to get its response"
 
 
+class PayloadTooLarge(CkptconvError):
+    code = "payload_too_large"
+    http_status = 413
+    title = "Request body too large"
+
+
+class RateLimited(CkptconvError):
+    """Too many requests for this API key; ``retry_after`` (seconds) becomes the Retry-After header."""
+
+    code = "rate_limited"
+    http_status = 429
+    title = "Too many requests"
+    default_hint = "retry after the number of seconds in the Retry-After header"
+
+    def __init__(self, message: str, *, hint: str | None = None, retry_after: int = 1, **details: Any) -> None:
+        super().__init__(message, hint=hint, retry_after=retry_after, **details)
+        self.retry_after = max(1, int(retry_after))
+
+
+class TooManyStreams(RateLimited):
+    code = "too_many_streams"
+    title = "Too many open event streams"
+    default_hint = "close an event stream of this API key (or poll GET /v1/jobs/{id}) and retry"
+
+
+class WebhookRefused(InvalidRequest):
+    code = "webhook_refused"
+    title = "Webhook destination refused"
+    default_hint = "use a public http(s) URL: private, loopback, link-local and reserved addresses are refused"
+
+
 class WorkerTimeout(ServiceUnavailable):
     code = "worker_timeout"
     title = "No worker answered in time"

@@ -105,6 +105,12 @@ class RedisKeys:
     def api_keys(self) -> str:
         return f"{self.p}apikeys"
 
+    def rate(self, owner: str) -> str:
+        return f"{self.p}rate:{owner}"
+
+    def streams(self, owner: str) -> str:
+        return f"{self.p}streams:{owner}"
+
     @property
     def stats(self) -> str:
         return f"{self.p}stats"

@@ -38,6 +38,18 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = None
     auth_cache_seconds: float = Field(default=30.0, ge=0)
 
+    # Edges of the API. Bodies larger than this are refused (413) while they are read.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    # Requests per API key per second, counted in Redis across every API process (429 beyond; 0: off).
+    rate_limit_per_second: int = Field(default=100, ge=0)
+    # Event streams (GET /v1/jobs/{id}/events) one API key may hold open at once, across processes.
+    max_streams_per_key: int = Field(default=16, ge=1)
+    # Redis connections of one API process: short commands, and what blocks (event streams, dry-run
+    # waits). A request that finds its pool exhausted waits ``redis_pool_timeout_seconds``, then 503.
+    redis_max_connections: int = Field(default=64, ge=2)
+    redis_blocking_connections: int = Field(default=128, ge=1)
+    redis_pool_timeout_seconds: float = Field(default=5.0, gt=0)
+
     # Jobs.
     default_max_runtime_seconds: int = Field(default=6 * 3600, gt=0)
     max_runtime_limit_seconds: int = Field(default=7 * 86400, gt=0)

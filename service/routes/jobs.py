@@ -16,17 +16,18 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ckptconv.core.auth import Principal
-from ckptconv.core.errors import Cancelled, Conflict, InvalidRequest, NotFound, TargetTaken
+from ckptconv.core.errors import Cancelled, Conflict, InvalidRequest, NotFound, ServiceUnavailable, TargetTaken
 from ckptconv.core.jobstore import TERMINAL, job_resource, new_job_id, new_record, now_ms
 from ckptconv.jobs.kinds import get_kind
 from service.deps import AppState, Authorized, IdempotencyKey, fingerprint, idempotency_record_key
 from service.idempotency import replay
 from service.schemas.common import problem_responses
-from service.schemas.jobs import Job, JobList, JobRequest, JobState, KindName
+from service.schemas.jobs import JOB_EVENT, Job, JobList, JobRequest, JobState, KindName
 from service.scopes import scoped_refs
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
@@ -198,19 +199,23 @@ async def cancel_job(job_id: JobId, call: Authorized) -> Response:
     ),
     response_class=StreamingResponse,
     responses={
-        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "the event stream"},
-        **problem_responses(401, 404, 503),
+        200: {"content": {"text/event-stream": {"schema": JOB_EVENT}}, "description": "the event stream"},
+        **problem_responses(401, 404, 429, 503),
     },
 )
 async def job_events(
     job_id: JobId,
     call: Authorized,
     request: Request,
-    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
 ) -> StreamingResponse:
-    await _owned(call.state, call.caller, job_id)
+    state, caller = call.state, call.caller
+    await _owned(state, caller, job_id)
+    if state.open_streams >= state.settings.redis_blocking_connections:
+        raise ServiceUnavailable(f"this API process serves its maximum of {state.open_streams} event streams")
+    slot = await state.streams.open(caller.id)
     return StreamingResponse(
-        _events(call.state, job_id, last_event_id, request),
+        _events(state, caller.id, slot, job_id, last_event_id, request),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -225,7 +230,25 @@ def _sse(event: str, data: bytes | str, event_id: str | None = None) -> bytes:
 _STREAM_ID = re.compile(r"^\d+-\d+$")
 
 
-async def _events(state: AppState, job_id: str, last_event_id: str | None, request: Request) -> AsyncIterator[bytes]:
+async def _events(
+    state: AppState, key_id: str, slot: str, job_id: str, last_event_id: str | None, request: Request
+) -> AsyncIterator[bytes]:
+    state.open_streams += 1
+    try:
+        async for chunk in _follow(state, key_id, slot, job_id, last_event_id, request):
+            yield chunk
+    finally:
+        state.open_streams -= 1
+        with anyio.CancelScope(shield=True):  # runs when the client went away, too
+            try:
+                await state.streams.close(key_id, slot)
+            except Exception:  # the slot expires by itself
+                pass
+
+
+async def _follow(
+    state: AppState, key_id: str, slot: str, job_id: str, last_event_id: str | None, request: Request
+) -> AsyncIterator[bytes]:
     events_key = state.keys.events(job_id)
     pipe = state.redis.pipeline(transaction=True)
     pipe.hgetall(state.keys.job(job_id))
@@ -242,8 +265,9 @@ async def _events(state: AppState, job_id: str, last_event_id: str | None, reque
     while True:
         if await request.is_disconnected():
             return
-        batch = await state.redis.xread({events_key: position}, count=100, block=SSE_KEEPALIVE_MS)
+        batch = await state.blocking_redis.xread({events_key: position}, count=100, block=SSE_KEEPALIVE_MS)
         if not batch:
+            await state.streams.refresh(key_id, slot)
             rec = await state.store.get(job_id)
             if rec is None:
                 return

@@ -51,6 +51,9 @@ class Problem(BaseModel):
     hint: str | None = None
     instance: str | None = None
     details: dict[str, Any] | None = None
+    correlation_id: str | None = Field(
+        default=None, description="server errors (5xx): the id the service logged the details under"
+    )
 
 
 PROBLEM_JSON = "application/problem+json"
@@ -66,7 +69,9 @@ def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         405: "Method not allowed",
         408: "Time limit exceeded",
         409: "Conflict with the resource's current state, or a request with this Idempotency-Key is in flight",
+        413: "Request body too large",
         422: "Invalid request (validation errors, or an Idempotency-Key reused with a different body)",
+        429: "Too many requests for this API key (see Retry-After)",
         500: "Internal error",
         502: "The object store failed",
         503: "Redis, the object store or the workers did not answer",

@@ -153,3 +153,39 @@ class Job(BaseModel):
 class JobList(BaseModel):
     jobs: list[Job]
     next_cursor: str | None = Field(description="pass as ?cursor= for the next page; null on the last page")
+
+
+def _event(name: str, description: str, data_schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": description,
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"const": name},
+            "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data_schema},
+            "id": {"type": "string", "pattern": r"^\d+-\d+$", "description": "stream position (Last-Event-ID)"},
+        },
+    }
+
+
+# One server-sent event of GET /v1/jobs/{id}/events (OpenAPI before 3.2: the schema of a
+# text/event-stream response describes each event, as its `event`, `data` and `id` fields).
+JOB_EVENT = {
+    "oneOf": [
+        _event("job", "the job resource: first, and last when the job ends", {"$ref": "#/components/schemas/Job"}),
+        _event("progress", "progress of the running job", {"$ref": "#/components/schemas/Progress"}),
+        _event(
+            "state",
+            "a state change",
+            {
+                "type": "object",
+                "required": ["state", "previous", "at"],
+                "properties": {
+                    "state": {"enum": list(STATES)},
+                    "previous": {"enum": list(STATES)},
+                    "at": {"type": "integer", "description": "Unix time in milliseconds"},
+                },
+            },
+        ),
+    ]
+}

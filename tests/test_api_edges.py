@@ -1,0 +1,230 @@
+"""The edges of the API, against real Redis and real API processes: authentication before the body is
+read, the body size limit, per-key rate limits shared by API processes, the caps on event streams and
+on the Redis connections they hold, and server errors that show a correlation id instead of internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import select
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import redis
+from conftest import api_process, free_port  # the suite's conftest, as pytest loaded it
+from fastapi.testclient import TestClient
+from test_api import assert_problem, drop_prefix, job_body
+
+from ckptconv.core.auth import create_key, hash_key
+from ckptconv.core.errors import StorageError
+from ckptconv.core.jobstore import RedisKeys
+from ckptconv.core.settings import Settings
+from service.app import create_app
+from service.problems import problem_response
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    yield prefix
+    drop_prefix(redis.Redis.from_url(redis_url), prefix)
+
+
+def in_process(redis_url: str, prefix: str, **settings: object) -> SimpleNamespace:
+    s = Settings(environment="development", redis_url=redis_url, redis_prefix=prefix, **settings)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = RedisKeys(s.redis_prefix, s.broker_prefix)
+    key, rec = create_key(r, keys, "team-a", ["s3://bucket/team-a/"])
+    return SimpleNamespace(settings=s, redis=r, keys=keys, key_id=rec["id"], auth={"Authorization": f"Bearer {key}"})
+
+
+# --- in process ---------------------------------------------------------------------------------
+
+
+def test_authentication_comes_before_the_body_is_parsed(redis_url: str, prefix: str) -> None:
+    env = in_process(redis_url, prefix)
+    with TestClient(create_app(env.settings), raise_server_exceptions=False) as c:
+        garbage = b'{"kind": [[[[[[' * 1000
+        assert_problem(c.post("/v1/jobs", content=garbage), 401, "unauthorized")
+        assert_problem(
+            c.post("/v1/plans", content=garbage, headers={"Authorization": "Bearer no"}), 401, "unauthorized"
+        )
+        # With a key, the same body is parsed (and refused as what it is).
+        assert_problem(c.post("/v1/jobs", content=garbage, headers=env.auth), 422, "invalid_request")
+        # The catalog needs no key.
+        assert c.get("/v1/formats").status_code == 200
+
+
+def test_a_body_over_the_limit_is_413(redis_url: str, prefix: str) -> None:
+    env = in_process(redis_url, prefix, max_body_bytes=64 * 1024)
+    with TestClient(create_app(env.settings), raise_server_exceptions=False) as c:
+        body = job_body(labels={f"k{i}": "v" * 60 for i in range(2000)})
+        doc = assert_problem(c.post("/v1/jobs", json=body, headers=env.auth), 413, "payload_too_large")
+        assert "65536" in doc["detail"]
+        assert c.post("/v1/jobs", json=job_body(), headers=env.auth).status_code == 202
+
+
+def test_the_rate_limit_is_per_key_and_shared_by_api_processes(redis_url: str, prefix: str) -> None:
+    env = in_process(redis_url, prefix, rate_limit_per_second=10)
+    # The current window of this key has 3 requests left and ends in a minute: two processes
+    # (two applications on one Redis) together get exactly 3, then 429 until the window ends.
+    env.redis.set(env.keys.rate(env.key_id), 7, px=60_000)
+    with (
+        TestClient(create_app(env.settings), raise_server_exceptions=False) as one,
+        TestClient(create_app(env.settings), raise_server_exceptions=False) as two,
+    ):
+        answers = [(one, two)[i % 2].get("/v1/jobs", headers=env.auth) for i in range(8)]
+        assert [r.status_code for r in answers] == [200, 200, 200, 429, 429, 429, 429, 429]
+        refused = assert_problem(answers[-1], 429, "rate_limited")
+        assert "10 requests per second" in refused["detail"]
+        assert 1 <= int(answers[-1].headers["retry-after"]) <= 60
+        # Another key has its own budget; the catalog is not counted.
+        other, _ = create_key(env.redis, env.keys, "team-b", ["s3://bucket/team-b/"])
+        assert one.get("/v1/jobs", headers={"Authorization": f"Bearer {other}"}).status_code == 200
+        assert one.get("/v1/formats").status_code == 200
+
+
+def test_server_errors_show_a_correlation_id_and_log_the_details(caplog: pytest.LogCaptureFixture) -> None:
+    s = Settings(environment="development", auth_disabled=True, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with (
+        caplog.at_level(logging.ERROR, logger="ckptconv.api"),
+        TestClient(create_app(s), raise_server_exceptions=False) as c,
+    ):
+        r = c.post("/v1/jobs", json=job_body())
+    doc = assert_problem(r, 503, "service_unavailable")
+    assert "Connection" not in r.text and "127.0.0.1" not in r.text
+    assert r.headers["correlation-id"] == doc["correlation_id"]
+    logged = [rec.getMessage() for rec in caplog.records if doc["correlation_id"] in rec.getMessage()]
+    assert logged and "ConnectionError" in logged[0]
+
+    # A worker's storage failure naming its endpoint: the client sees the class, not the text.
+    error = StorageError("could not connect to the endpoint URL: http://10.1.2.3:9000/bucket?x=1", endpoint="x")
+    body = json.loads(problem_response(error, "/v1/plans", method="POST").body)
+    assert body["code"] == "storage_error" and "10.1.2.3" not in json.dumps(body) and "details" not in body
+
+
+# --- real API processes -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
+    """One API process with two keys (a, b), small stream caps and a 1 MiB body limit."""
+    keys = {name: f"ckc_{name}-{uuid.uuid4().hex}" for name in ("a", "b")}
+    lines = [
+        f"  - name: {n}\n    sha256: {hash_key(k)}\n    prefixes: ['s3://bucket/team-{n}/']\n" for n, k in keys.items()
+    ]
+    (tmp_path / "keys.yaml").write_text("keys:\n" + "".join(lines))
+    env = {
+        "CKPTCONV_ENVIRONMENT": "development",
+        "CKPTCONV_REDIS_PREFIX": prefix,
+        "CKPTCONV_API_KEYS_FILE": str(tmp_path / "keys.yaml"),
+        "CKPTCONV_MAX_BODY_BYTES": str(MIB),
+        "CKPTCONV_MAX_STREAMS_PER_KEY": "2",
+        "CKPTCONV_REDIS_BLOCKING_CONNECTIONS": "3",
+        "CKPTCONV_REDIS_POOL_TIMEOUT_SECONDS": "1",
+        "CKPTCONV_PLAN_TIMEOUT_SECONDS": "5",
+    }
+    with api_process(redis_url, tmp_path, env) as url:
+        yield SimpleNamespace(url=url, **{n: {"Authorization": f"Bearer {k}"} for n, k in keys.items()})
+
+
+def _raw_post(url: str, headers: list[str], body_chunks: Iterator[bytes], give_up_after: int) -> tuple[bytes, int]:
+    """POST over a plain socket, sending body chunks only while the server has not answered.
+
+    Returns (the answer's status line, bytes of body sent). Stops sending after ``give_up_after``
+    bytes: a server that read them all did not enforce a limit while reading."""
+    where = urlsplit(url)
+    sock = socket.create_connection((where.hostname, where.port), timeout=30)
+    sent = 0
+    try:
+        sock.sendall(("\r\n".join(["POST /v1/jobs HTTP/1.1", f"Host: {where.netloc}", *headers]) + "\r\n\r\n").encode())
+        for chunk in body_chunks:
+            readable, writable, _ = select.select([sock], [sock], [], 30)
+            if readable or sent >= give_up_after:
+                break
+            if writable:
+                try:
+                    sent += sock.send(chunk)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+        select.select([sock], [], [], 30)
+        return sock.recv(65536).split(b"\r\n", 1)[0], sent
+    finally:
+        sock.close()
+
+
+def _zeros(size: int) -> Iterator[bytes]:
+    while True:
+        yield b"0" * size
+
+
+def _chunked(size: int) -> Iterator[bytes]:
+    for chunk in _zeros(size):
+        yield f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+
+
+def test_a_50_mib_body_is_never_read(served: SimpleNamespace) -> None:
+    fifty = 50 * MIB
+    declared = [f"Content-Length: {fifty}", "Content-Type: application/json"]
+    # Without a key: 401 before any of the body.
+    status, sent = _raw_post(served.url, declared, _zeros(64 * 1024), fifty)
+    assert status.startswith(b"HTTP/1.1 401") and sent < fifty
+    # With a key, a declared 50 MiB: 413 at once.
+    auth = f"Authorization: {served.a['Authorization']}"
+    status, sent = _raw_post(served.url, [*declared, auth], _zeros(64 * 1024), fifty)
+    assert status.startswith(b"HTTP/1.1 413") and sent < fifty
+    # With a key, chunked (no length given): 413 once the bytes read pass the limit.
+    chunked = ["Transfer-Encoding: chunked", "Content-Type: application/json", auth]
+    status, sent = _raw_post(served.url, chunked, _chunked(64 * 1024), fifty)
+    assert status.startswith(b"HTTP/1.1 413") and sent < fifty
+
+
+@contextlib.contextmanager
+def _stream(url: str, headers: dict[str, str]) -> Iterator[httpx.Response]:
+    with httpx.Client(timeout=httpx.Timeout(30.0)) as c, c.stream("GET", url, headers=headers) as r:
+        lines = r.iter_lines()  # held until the block ends: dropping it would close the connection
+        if r.status_code == 200:
+            next(lines)  # the first event: the stream is being served
+        else:
+            r.read()
+        yield r
+
+
+def test_event_streams_are_capped_per_key_and_per_process(served: SimpleNamespace) -> None:
+    jobs = {
+        n: httpx.post(served.url + "/v1/jobs", json=job_body(team=f"team-{n}"), headers=getattr(served, n)).json()
+        for n in ("a", "b")
+    }
+    events = {n: f"{served.url}/v1/jobs/{jobs[n]['id']}/events" for n in jobs}
+    with contextlib.ExitStack() as open_streams:
+        first = open_streams.enter_context(_stream(events["a"], served.a))
+        second = open_streams.enter_context(_stream(events["a"], served.a))
+        assert first.status_code == second.status_code == 200
+        with _stream(events["a"], served.a) as third:
+            assert third.status_code == 429 and third.json()["code"] == "too_many_streams"
+            assert int(third.headers["retry-after"]) >= 1
+        # Key b has its own cap, but this process holds at most 3 streams (its blocking Redis pool).
+        open_streams.enter_context(_stream(events["b"], served.b))
+        with _stream(events["b"], served.b) as over:
+            assert over.status_code == 503 and over.json()["code"] == "service_unavailable"
+        # Every blocking connection is taken: a dry run's wait gets 503 instead of another connection.
+        plan = httpx.post(served.url + "/v1/plans", json=job_body(team="team-b"), headers=served.b, timeout=30)
+        assert_problem(plan, 503, "service_unavailable")
+    # Closed streams give their slots back.
+    for _ in range(100):
+        with _stream(events["a"], served.a) as again:
+            if again.status_code == 200:
+                break
+        time.sleep(0.1)
+    assert again.status_code == 200
