@@ -10,12 +10,21 @@
 Errors come back as the ckptconv error the service raised (``CkptconvError.from_problem``), so
 ``except ObjectNotFound`` works across the network. ``base_url`` and ``api_key`` default to the
 ``CKPTCONV_URL`` and ``CKPTCONV_API_KEY`` environment variables.
+
+Retries: a request that could not reach the service or lost its answer (connection errors), or
+that was answered 429 or 503 (or 409 ``idempotent_request_in_flight``), is sent again up to
+``retries`` times, after the ``Retry-After`` the service asked for or else an exponential backoff
+with jitter. Every request is safe to send twice: reads and cancels are idempotent, and a
+submission carries one ``Idempotency-Key`` for all of its attempts, so a retried submission whose
+first answer was lost gets that first job back, never a second one.
 """
 
 from __future__ import annotations
 
+import email.utils
 import json
 import os
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,10 +32,12 @@ from typing import Any
 
 import httpx
 
-from ckptconv.core.errors import CkptconvError, ServiceUnavailable, TimeLimitExceeded
+from ckptconv.core.errors import CkptconvError, RateLimited, ServiceUnavailable, TimeLimitExceeded
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")
+RETRY_STATUSES = (429, 503)
+MAX_RETRY_AFTER_SECONDS = 300.0
 
 Job = dict[str, Any]
 
@@ -39,8 +50,14 @@ class Client:
         *,
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        retries: int = 6,
+        backoff_seconds: float = 0.5,
+        max_backoff_seconds: float = 30.0,
     ) -> None:
         self.base_url = (base_url or os.environ.get("CKPTCONV_URL") or DEFAULT_URL).rstrip("/")
+        self.retries = max(0, retries)
+        self.backoff_seconds = backoff_seconds
+        self.max_backoff_seconds = max_backoff_seconds
         key = api_key if api_key is not None else os.environ.get("CKPTCONV_API_KEY")
         headers = {"user-agent": "ckptconv-client"}
         if key:
@@ -59,16 +76,32 @@ class Client:
     # -- plumbing
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as e:
-            raise ServiceUnavailable(
-                f"cannot reach the ckptconv service at {self.base_url}: {e}",
-                hint="check --url / CKPTCONV_URL and that `ckptconv serve` is running",
-            ) from None
+        """One logical request: sent again on connection errors, 429 and 503 (see the module docstring)."""
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as e:
+                if last:
+                    raise ServiceUnavailable(
+                        f"cannot reach the ckptconv service at {self.base_url}: {e}",
+                        hint="check --url / CKPTCONV_URL and that `ckptconv serve` is running",
+                    ) from None
+                time.sleep(self._backoff(attempt))
+                continue
+            if last or not _retryable(response):
+                break
+            time.sleep(self._backoff(attempt, response.headers.get("retry-after")))
         if response.status_code >= 400:
             raise _error(response)
         return response
+
+    def _backoff(self, attempt: int, retry_after: str | None = None) -> float:
+        """Seconds before the next attempt: what the service asked for, else exponential with full jitter."""
+        asked = _retry_after_seconds(retry_after)
+        if asked is not None:
+            return min(asked, MAX_RETRY_AFTER_SECONDS) + random.uniform(0, self.backoff_seconds)
+        return random.uniform(0, min(self.max_backoff_seconds, self.backoff_seconds * 2**attempt))
 
     # -- jobs
 
@@ -196,7 +229,7 @@ class Client:
                         break
                     if job["state"] in TERMINAL and event == "job":
                         return job
-            except ServiceUnavailable:
+            except (ServiceUnavailable, RateLimited):  # no stream now (e.g. too many open): poll
                 time.sleep(poll_interval)
             job = self.get(job_id)
             if on_progress:
@@ -235,6 +268,39 @@ class Client:
         return self._request("GET", "/v1/kinds").json()["kinds"]
 
 
+def _retryable(response: httpx.Response) -> bool:
+    if response.status_code in RETRY_STATUSES:
+        return True
+    # The first request with this Idempotency-Key is still running: its answer comes on a retry.
+    return (
+        response.status_code == 409
+        and response.headers.get("content-type", "").startswith("application/problem+json")
+        and _code(response) == "idempotent_request_in_flight"
+    )
+
+
+def _code(response: httpx.Response) -> str | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get("code") if isinstance(body, dict) else None
+
+
+def _retry_after_seconds(value: str | None) -> float | None:
+    """Retry-After as seconds: delta-seconds or an HTTP date (RFC 9110); None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
 def _error(response: httpx.Response) -> CkptconvError:
     try:
         body = response.json()
@@ -242,7 +308,11 @@ def _error(response: httpx.Response) -> CkptconvError:
         body = None
     if isinstance(body, dict) and "code" in body:
         return CkptconvError.from_problem(body)
-    return CkptconvError(f"HTTP {response.status_code} from {response.request.url}: {response.text[:200]}")
+    # Not the service's own answer (a proxy or load balancer in front of it): typed by status.
+    klass = {429: RateLimited, 502: ServiceUnavailable, 503: ServiceUnavailable, 504: ServiceUnavailable}
+    return klass.get(response.status_code, CkptconvError)(
+        f"HTTP {response.status_code} from {response.request.url}: {response.text[:200]}"
+    )
 
 
 def verify_webhook(

@@ -21,6 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     client.add_argument("--url", default=None, help="service URL (default: $CKPTCONV_URL or http://127.0.0.1:8000)")
     client.add_argument("--api-key", default=None, help="API key (default: $CKPTCONV_API_KEY)")
     client.add_argument("--json", action="store_true", help="print JSON")
+    client.add_argument(
+        "--retries",
+        type=int,
+        default=6,
+        help="resend a request this many times on connection errors, 429 and 503 (default 6)",
+    )
 
     p = sub.add_parser("serve", help="run the HTTP API (uvicorn)")
     p.add_argument("--host", default="127.0.0.1")
@@ -163,7 +169,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Any:
     from ckptconv.client import Client
 
-    return Client(args.url, args.api_key)
+    return Client(args.url, args.api_key, retries=args.retries)
 
 
 def _pairs(items: list[str], what: str, parse_json: bool = False) -> dict[str, Any]:
