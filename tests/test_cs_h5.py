@@ -13,12 +13,10 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import pickle
 import shutil
 import struct
 import sys
-import tempfile
 from pathlib import Path
 
 import h5py
@@ -657,8 +655,7 @@ def test_external_storage_is_refused(tmp_path):
 
 def test_s3_read_and_write(s3_bucket, tmp_path, monkeypatch):
     scratch = tmp_path / "scratch"  # where the sink stages remote targets
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setenv("CKPTCONV_SCRATCH_DIR", str(scratch))
     mdl = FIXTURES / "model_optimizer.mdl"
     uri = f"s3://{s3_bucket}/ckpt/model_optimizer.mdl"
     storage = open_storage(uri)
@@ -741,23 +738,47 @@ def test_damaged_files_fail_with_typed_errors(tmp_path):
     assert outcomes.count("CorruptCheckpoint") >= 6
 
 
-def test_staging_of_killed_remote_writes_is_swept(s3_bucket, tmp_path, monkeypatch):
+_HOLD_REMOTE_WRITE = """
+import sys, torch
+from ckptconv.formats.cs_h5 import CsH5Sink
+from ckptconv.storage import open_storage
+from ckptconv.formats.base import Entry
+uri = sys.argv[1]
+sink = CsH5Sink(open_storage(uri), uri)
+sink.begin([Entry("a", "tensor", "float32", (1024, 1024))], None)
+sink.write("a", torch.ones(1024, 1024))
+print(sink._tmp_dir, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_scratch_of_killed_remote_writes_is_swept(s3_bucket, tmp_path, monkeypatch):
+    """A writer killed with SIGKILL leaves its H5 scratch file; the next remote write on this host
+    removes it, while a live writer's scratch stays."""
+    import signal
     import subprocess
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f"ckptconv-h5-{dead.pid}-abc"
-    recent = tmp_path / f"ckptconv-h5-{dead.pid}-def"
-    alive = tmp_path / f"ckptconv-h5-{os.getpid()}-ghi"
-    for d in (stale, recent, alive):
-        d.mkdir()
-        (d / "checkpoint.mdl").write_bytes(b"partial")
-    old = 1_000_000_000
-    for p in (stale, stale / "checkpoint.mdl", alive, alive / "checkpoint.mdl"):
-        os.utime(p, (old, old))
-    uri = f"s3://{s3_bucket}/swept.mdl"
-    save_to = CsH5Sink(open_storage(uri), uri)
-    entries, spec, values = entries_from_tree({"a": torch.ones(2)})
-    write_all(save_to, entries, spec, values)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([recent.name, alive.name])
+    monkeypatch.setenv("CKPTCONV_SCRATCH_DIR", str(tmp_path))
+    writers = []
+    for name in ("killed", "alive"):
+        p = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_REMOTE_WRITE, f"s3://{s3_bucket}/{name}.mdl"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        writers.append((p, Path(p.stdout.readline().strip())))
+    (killed, killed_dir), (alive, alive_dir) = writers
+    try:
+        assert (killed_dir / "checkpoint.mdl").stat().st_size > 0
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert killed_dir.exists()  # nobody cleaned up: the process had no chance
+        uri = f"s3://{s3_bucket}/swept.mdl"
+        entries, spec, values = entries_from_tree({"a": torch.ones(2)})
+        write_all(CsH5Sink(open_storage(uri), uri), entries, spec, values)
+        assert not killed_dir.exists()
+        assert (alive_dir / "checkpoint.mdl").exists()
+    finally:
+        alive.kill()
+        alive.wait()

@@ -467,6 +467,8 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_it_with_nothing_partial_visib
     redis_url: str, bucket: str, tmp_path: Path
 ) -> None:
     svc = Service(redis_url, bucket, tmp_path)
+    scratch_dir = tmp_path / "scratch"
+    svc.env["CKPTCONV_SCRATCH_DIR"] = str(scratch_dir)  # where workers build H5 files before upload
     try:
         expected = make_checkpoint(bucket, "team/kill/model.safetensors", 200)
         target_key = "team/kill-out/model.mdl"
@@ -487,7 +489,10 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_it_with_nothing_partial_visib
             os.kill(first.pid, signal.SIGKILL)
             first.wait()
             assert c.get(job["id"])["state"] == "running"  # nobody noticed yet
+            (left,) = list(scratch_dir.iterdir())  # the killed worker's partial H5 file
+            assert str(first.pid) in left.name
             svc.start_worker()
+            assert not left.exists()  # removed by the new worker as it started
             job = c.wait(job["id"], timeout=120)
         stop.set()
         watcher.join()
@@ -506,5 +511,6 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_it_with_nothing_partial_visib
                 assert all(k in visible for k in outputs), "manifest visible before its outputs"
         assert any(manifest_key in s for s in snapshots) or manifest_key in final
         assert not listing(bucket, "team/kill-out/.ckptconv-staging") and not listing(bucket, "team/.ckptconv-staging")
+        assert list(scratch_dir.iterdir()) == []
     finally:
         svc.stop()

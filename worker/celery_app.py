@@ -60,6 +60,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
     # children, or the worker itself with the solo and thread pools.
     worker_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator")
     worker_process_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator-child")
+    worker_init.connect(_sweep_scratch, weak=False, dispatch_uid="ckptconv-scratch")
     return app
 
 
@@ -67,6 +68,13 @@ def _bound_allocator(**_: Any) -> None:
     from ckptconv.formats.memory import bound_allocator
 
     bound_allocator()
+
+
+def _sweep_scratch(**_: Any) -> None:
+    # Workers killed with SIGKILL on this host left their scratch files: remove them at start.
+    from ckptconv.storage import scratch
+
+    scratch.sweep()
 
 
 _app: Celery | None = None

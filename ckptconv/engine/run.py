@@ -28,8 +28,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import posixpath
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -60,6 +62,8 @@ from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ConvertResult", "Progress", "discard_staging", "run_plan"]
 
@@ -206,12 +210,14 @@ def _target_exists(storage: Storage, target: str, fmt: str) -> bool:
 
 
 def _discard(layout: _Layout, prefix: str | None = None) -> None:
-    """Delete the staging prefix (or ``prefix``, a job's staging root) and, locally, the staging
-    directories it leaves empty."""
+    """Delete the staging prefix (or ``prefix``, a job's staging root; on S3 with its incomplete
+    multipart uploads) and, locally, the temp files of writers that died mid-write and the
+    staging directories left empty."""
     prefix = prefix or layout.staging
     layout.storage.delete_prefix(prefix + "/")
     local = layout.storage.local_path(prefix)
     if local is not None:
+        shutil.rmtree(local, ignore_errors=True)
         for d in (local, local.parent, local.parent.parent):
             if d.name == STAGING_DIR or d == local or d.parent.name == STAGING_DIR:
                 try:
@@ -347,7 +353,7 @@ def run_plan(
         }
         storage.write_bytes(staged_manifest, json.dumps(doc, indent=2).encode())
     except BaseException:
-        _discard(layout)
+        _discard_after_failure(layout)
         raise
     result = _publish(layout, job_id)
     result.timings["publish_s"] = round(time.monotonic() - t0 - sum(timings.values()), 3)
@@ -359,7 +365,17 @@ def _abort(sink: Any, storage: Storage, layout: _Layout) -> None:
     try:
         sink.abort()
     finally:
+        _discard_after_failure(layout)
+
+
+def _discard_after_failure(layout: _Layout) -> None:
+    """Discard staging on a failure path; a failure to clean up (storage down past the retry
+    budget) is logged, never raised over the error being handled. A later attempt of the job,
+    or ``discard_staging``, removes what is left."""
+    try:
         _discard(layout)
+    except Exception as e:
+        log.warning("could not discard the staging area %s: %s", layout.staging, e)
 
 
 def _manifest_uri(layout: _Layout, outputs: list[OutputFile]) -> str:
@@ -446,7 +462,7 @@ def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
         raise
     except BaseException:
         if _unpublish(storage, placed, job_id):
-            _discard(layout)
+            _discard_after_failure(layout)
         raise
     _discard_job(layout, job_id)
     return ConvertResult.from_manifest(final_manifest, doc)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
-import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +58,7 @@ from ckptconv.formats.cs_serializers import (
     root_spec_text,
 )
 from ckptconv.formats.tree import TreeSpec
+from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks
 from ckptconv.storage.local import ensure_parent_dir
 
@@ -329,8 +328,8 @@ class CsH5Sink(CerebrasSink):
             ensure_parent_dir(str(local))
             self._tmp_path = f"{local}.{uuid.uuid4().hex[:8]}.tmp"
         else:
-            _sweep_stale_temp()
-            self._tmp_dir = tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-")
+            # Remote target: build the file in a scratch directory of this process, upload it at commit.
+            self._tmp_dir = str(scratch.make_dir("h5"))
             self._tmp_path = os.path.join(self._tmp_dir, "checkpoint.mdl")
         # A sink dropped without commit() or abort() (or an interpreter exiting) still cleans up.
         self._finalizer = weakref.finalize(self, _remove_temp, self._tmp_path, self._tmp_dir)
@@ -451,44 +450,6 @@ class CsH5Sink(CerebrasSink):
         ds.attrs["compressed"] = np.bool_(md["compressed"])
         ds.attrs["__BYTES__"] = np.frombuffer(payload, dtype="V1")
         return md
-
-
-_TEMP_PREFIX = "ckptconv-h5-"
-_STALE_AFTER = 600.0  # seconds without a write
-
-
-def _sweep_stale_temp() -> None:
-    """Remove staging directories of remote writes whose process died (killed jobs cannot clean up).
-
-    A directory counts as stale only when its process is gone and nothing was written to it for
-    ten minutes, so a writer in another PID namespace sharing this temp directory is left alone.
-    """
-    root = tempfile.gettempdir()
-    now = time.time()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith(_TEMP_PREFIX):
-            continue
-        pid_text = name[len(_TEMP_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        path = os.path.join(root, name)
-        try:
-            newest = max([os.path.getmtime(path)] + [e.stat().st_mtime for e in os.scandir(path)])
-        except OSError:
-            continue
-        if now - newest > _STALE_AFTER:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_temp(path: str | None, directory: str | None) -> None:

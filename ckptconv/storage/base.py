@@ -3,7 +3,8 @@
 Contract (every backend passes ``tests/test_storage.py``):
 
 - URIs are ``s3://bucket/key`` or local paths (absolute, relative, or ``file://``).
-- Reads are ranged: ``read_range(uri, offset, length)`` returns exactly ``length`` bytes or raises
+- Reads are ranged: ``read_range(uri, offset, length)`` (or ``read_into(uri, offset, buffer)``)
+  returns exactly ``length`` bytes or raises
   :class:`~ckptconv.core.errors.CorruptCheckpoint` when the object is shorter (a truncated file is a bad
   checkpoint, not an I/O hiccup). ``open_reader`` gives a seekable read-only file object for
   libraries that want one (h5py), reading through ranged requests with a bounded read-ahead.
@@ -100,6 +101,12 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_range(self, uri: str, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes starting at ``offset``."""
+
+    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
+        """Fill ``buf`` with the ``len(buf)`` bytes at ``offset`` (same rules as ``read_range``).
+
+        Backends override it to read straight into ``buf`` without an intermediate copy."""
+        memoryview(buf).cast("B")[:] = self.read_range(uri, offset, len(memoryview(buf).cast("B")))
 
     def read_all(self, uri: str) -> bytes:
         """A whole (small) object: indexes, configs, headers. Never used for tensor data."""

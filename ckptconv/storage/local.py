@@ -226,6 +226,17 @@ class LocalStorage(Storage):
                 raise short_read(uri, offset, length, len(data), os.fstat(f.fileno()).st_size)
         return data
 
+    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
+        view = memoryview(buf).cast("B")
+        check_range(uri, offset, len(view))
+        with _os_errors(uri), open(local_path_of(uri), "rb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                if not n:
+                    raise short_read(uri, offset, len(view), done, os.fstat(f.fileno()).st_size)
+                done += n
+
     def open_reader(self, uri: str) -> BinaryIO:
         with _os_errors(uri):
             f = open(local_path_of(uri), "rb")  # noqa: SIM115 - the caller owns it

@@ -3,9 +3,16 @@
 Guarantees on top of the :class:`~ckptconv.storage.base.Storage` contract:
 
 - The client comes from the standard AWS environment (credentials chain, ``AWS_ENDPOINT_URL`` /
-  ``AWS_ENDPOINT_URL_S3``, ``AWS_DEFAULT_REGION``, ``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``), with
-  retries and a connection pool sized for a few threads. A boto3 client is thread-safe, so one
-  :class:`S3Storage` serves every thread.
+  ``AWS_ENDPOINT_URL_S3``, ``AWS_DEFAULT_REGION``) with a connection pool sized for a few
+  threads. A boto3 client is thread-safe, so one :class:`S3Storage` serves every thread.
+- Every call retries per the one policy of :mod:`ckptconv.storage.retry` (botocore's own retries
+  are off): 5xx and throttling answers, connection errors, stalled responses (no byte for
+  ``CKPTCONV_S3_READ_TIMEOUT_S``, default 60) and bodies shorter than announced, or without a
+  length and short. A ranged read broken mid-body asks only for the bytes it still lacks. Past
+  the budget the call fails with :class:`~ckptconv.core.errors.StorageError`.
+- A create-only write retried after an answer was lost may find the object it created itself: the
+  object's ETag tells (the MD5 of a put, the multipart ETag of a completed upload, the source's
+  ETag of a copy), and then the write succeeded.
 - Writes are streaming multipart uploads: a part is sent as soon as it fills, from a background
   thread, while the producer fills the next one (memory: about two parts per writer). Objects
   smaller than one part are sent with one ``PutObject`` at commit. Part sizes grow with the part
@@ -16,13 +23,16 @@ Guarantees on top of the :class:`~ckptconv.storage.base.Storage` contract:
 - ``publish`` copies server-side (``CopyObject`` up to 5 GiB, ``UploadPartCopy`` beyond), then
   deletes the staging key. Nothing is renamed: S3 has no rename.
 - An abandoned writer (neither committed nor aborted) leaves an incomplete multipart upload that
-  S3 keeps (and bills) until aborted; always use writers as context managers. A bucket lifecycle
-  rule ``AbortIncompleteMultipartUpload`` is the backstop for crashed processes.
+  S3 keeps (and bills) until aborted; always use writers as context managers. ``delete_prefix``
+  also aborts the incomplete uploads under the prefix (staging areas are discarded that way, also
+  after a crash). A bucket lifecycle rule ``AbortIncompleteMultipartUpload`` is the backstop.
 """
 
 from __future__ import annotations
 
+import binascii
 import contextlib
+import hashlib
 import io
 import logging
 import math
@@ -32,6 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import boto3
+import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -39,18 +50,19 @@ from botocore.exceptions import (
     ConnectionClosedError,
     ConnectTimeoutError,
     EndpointConnectionError,
+    HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
-    ReadTimeoutError,
-    ResponseStreamingError,
 )
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import s3_uri, split_s3
 from ckptconv.storage.base import ObjectInfo, RangeReader, Storage, Writer
 from ckptconv.storage.ranges import check_range, short_read
+from ckptconv.storage.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +76,10 @@ MAX_SINGLE_COPY = 5 << 30
 PART_GROWTH_EVERY = 1_000
 # A handful of engine threads plus one background uploader per open writer.
 MAX_POOL_CONNECTIONS = 16
-# Body reads are not covered by botocore's retries (they happen after the response arrived).
-READ_ATTEMPTS = 3
+# A response that sends no byte for this long is a stalled connection: retried.
+DEFAULT_READ_TIMEOUT_S = 60.0
+# Body bytes taken from the connection per read call (what a broken connection can cost).
+READ_SLICE = 1 << 20
 
 _CREDENTIALS_HINT = (
     "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role) "
@@ -82,7 +96,41 @@ _DENIED_CODES = {
     "InvalidToken",
     "AllAccessDisabled",
 }
-_STREAM_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError)
+# Answers that say "try again": server errors and throttling.
+_TRANSIENT_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "OperationAborted",
+}
+# Transport failures: the connection could not be made, broke, stalled, or ended a body early.
+_TRANSPORT_ERRORS = (
+    HTTPClientError,  # ResponseStreamingError, ReadTimeoutError, ConnectionClosedError, ...
+    BotoConnectionError,  # EndpointConnectionError, ConnectTimeoutError
+    IncompleteReadError,
+    urllib3.exceptions.HTTPError,  # raised by body reads on the raw stream
+    OSError,  # ConnectionResetError and friends from the socket itself
+)
+
+
+class TruncatedResponse(Exception):
+    """A response that is not what HTTP promised: a body shorter than its length, or no length.
+
+    Transient (the next try usually gets it whole), never a checkpoint's fault."""
+
+
+def _transient(e: BaseException) -> bool:
+    """Whether retrying ``e`` may succeed (the policy in :mod:`ckptconv.storage.retry` decides how often)."""
+    if isinstance(e, ClientError):
+        code, status = _error_code(e)
+        return code in _TRANSIENT_CODES or status == 429 or (status is not None and status >= 500 and status != 501)
+    if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+        return False
+    return isinstance(e, (TruncatedResponse, *_TRANSPORT_ERRORS))
 
 
 def part_size_for(part_number: int, base: int) -> int:
@@ -100,18 +148,19 @@ def endpoint_from_env() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def make_client(endpoint_url: str | None = None, *, max_attempts: int | None = None) -> Any:
-    """A boto3 S3 client configured from the environment; ``endpoint_url`` overrides it."""
+def make_client(endpoint_url: str | None = None, *, pool_connections: int = MAX_POOL_CONNECTIONS) -> Any:
+    """A boto3 S3 client configured from the environment; ``endpoint_url`` overrides it.
+
+    botocore does not retry: :class:`S3Storage` retries every call per its one policy.
+    """
     endpoint = endpoint_url or endpoint_from_env()
     options: dict[str, Any] = {
-        "retries": {
-            "mode": os.environ.get("AWS_RETRY_MODE", "standard"),
-            "max_attempts": max_attempts if max_attempts is not None else int(os.environ.get("AWS_MAX_ATTEMPTS", "8")),
-        },
-        "max_pool_connections": MAX_POOL_CONNECTIONS,
+        "retries": {"mode": "standard", "total_max_attempts": 1},
+        "max_pool_connections": pool_connections,
         "connect_timeout": 10,
-        # CompleteMultipartUpload and large CopyObject calls may take minutes on the server side.
-        "read_timeout": 300,
+        # Long server-side operations (CompleteMultipartUpload, large copies) keep the connection
+        # alive with whitespace on AWS, so a silent connection is a stalled one.
+        "read_timeout": float(os.environ.get("CKPTCONV_S3_READ_TIMEOUT_S", DEFAULT_READ_TIMEOUT_S)),
         "tcp_keepalive": True,
     }
     if endpoint:
@@ -185,6 +234,8 @@ def _s3_errors(uri: str, endpoint: str | None = None) -> Iterator[None]:
         raise _typed_error(e, uri) from e
     except (NoCredentialsError, PartialCredentialsError) as e:
         raise StorageError(f"no usable AWS credentials for {uri}: {e}", hint=_CREDENTIALS_HINT, uri=uri) from e
+    except TruncatedResponse as e:
+        raise StorageError(f"S3 answered {uri} with a broken response: {e}", hint="retry the job", uri=uri) from e
     except (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError) as e:
         where = endpoint or "the S3 endpoint"
         raise StorageError(
@@ -192,8 +243,8 @@ def _s3_errors(uri: str, endpoint: str | None = None) -> Iterator[None]:
             hint="check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), the network, and that the object store is up",
             uri=uri,
         ) from e
-    except BotoCoreError as e:
-        raise StorageError(f"S3 request for {uri} failed: {e}", uri=uri) from e
+    except (BotoCoreError, urllib3.exceptions.HTTPError, OSError) as e:
+        raise StorageError(f"S3 request for {uri} failed: {type(e).__name__}: {e}", uri=uri) from e
 
 
 def _rejects_conditional(e: ClientError) -> bool:
@@ -209,6 +260,7 @@ class S3Storage(Storage):
     manager does on AWS); by default it follows the client's ``request_checksum_calculation``.
     ``multipart_copy_threshold`` and ``copy_part_size`` choose between ``CopyObject`` and
     ``UploadPartCopy`` in ``publish`` (tests lower them to exercise the multipart path).
+    ``max_attempts`` overrides the retry budget of the environment (see :mod:`ckptconv.storage.retry`).
     """
 
     scheme = "s3"
@@ -223,8 +275,9 @@ class S3Storage(Storage):
         multipart_copy_threshold: int = MAX_SINGLE_COPY,
         copy_part_size: int = 1 << 30,
     ) -> None:
-        self.client = client if client is not None else make_client(endpoint_url, max_attempts=max_attempts)
+        self.client = client if client is not None else make_client(endpoint_url)
         self.endpoint_url: str | None = self.client.meta.endpoint_url
+        self.retry = RetryPolicy.from_env(max_attempts)
         if part_checksums is None:
             part_checksums = getattr(self.client.meta.config, "request_checksum_calculation", None) != "when_required"
         self.part_checksums = part_checksums
@@ -238,6 +291,15 @@ class S3Storage(Storage):
     def _errors(self, uri: str) -> contextlib.AbstractContextManager[None]:
         return _s3_errors(uri, self.endpoint_url)
 
+    def _retried(self, uri: str, call: Callable[[], Any], what: str) -> Any:
+        """``call()`` under the retry policy; its last error typed for ``uri``."""
+        with self._errors(uri):
+            return self.retry.run(call, transient=_transient, what=f"{what} {uri}")
+
+    def _call(self, uri: str, method: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        """One S3 API call (whose response has no body to stream) under the retry policy."""
+        return self._retried(uri, lambda: method(**kwargs), method.__name__)
+
     def _object(self, uri: str, *, writing: bool = False) -> tuple[str, str]:
         bucket, key = split_s3(uri)
         if not key:
@@ -246,79 +308,136 @@ class S3Storage(Storage):
             raise ObjectNotFound(f"{uri} names a bucket, not an object", uri=uri)
         return bucket, key
 
-    def create_only(self, uri: str, call: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+    def create_only(
+        self,
+        uri: str,
+        call: Callable[..., dict[str, Any]],
+        *,
+        ours: Callable[[ObjectInfo], bool] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         """Run a write that must not replace an existing object at ``uri`` (put, complete, copy).
 
         Checks with HeadObject first (servers that ignore If-None-Match), then sends the write
         with ``If-None-Match: *`` so that AWS and MinIO refuse it atomically if another writer
-        won meanwhile. Raises TargetExists when the object exists.
+        won meanwhile. Raises TargetExists when the object exists. ``ours`` recognizes the
+        object this very write creates: when a retry is refused (the object exists, or the
+        upload is gone) because an earlier try did succeed, that is success.
         """
         if self.exists(uri):
             raise TargetExists(f"{uri} already exists", uri=uri)
-        if self.conditional_writes:
-            with self._errors(uri):
-                try:
-                    return call(IfNoneMatch="*", **kwargs)
-                except ClientError as e:
-                    if not _rejects_conditional(e):
-                        raise
-                    log.info("%s refuses If-None-Match (%s); relying on HEAD checks", self.endpoint_url, e)
-                    self.conditional_writes = False
-        with self._errors(uri):
-            return call(**kwargs)
+        tries = 0
+
+        def attempt() -> dict[str, Any]:
+            nonlocal tries
+            tries += 1
+            try:
+                if self.conditional_writes:
+                    try:
+                        return call(IfNoneMatch="*", **kwargs)
+                    except ClientError as e:
+                        if not _rejects_conditional(e):
+                            raise
+                        log.info("%s refuses If-None-Match (%s); relying on HEAD checks", self.endpoint_url, e)
+                        self.conditional_writes = False
+                return call(**kwargs)
+            except ClientError as e:
+                code, status = _error_code(e)
+                refused = code in ("PreconditionFailed", "NoSuchUpload", "ConditionalRequestConflict") or status == 412
+                if tries > 1 and refused and ours is not None:
+                    mine = self._created_by_us(uri, ours)
+                    if mine is not None:
+                        return mine
+                raise
+
+        return self._retried(uri, attempt, call.__name__)
+
+    def _created_by_us(self, uri: str, ours: Callable[[ObjectInfo], bool]) -> dict[str, Any] | None:
+        try:
+            info = self.stat(uri)
+        except ObjectNotFound:
+            return None
+        if not ours(info):
+            return None
+        log.info("%s: an earlier try created it; its answer was lost", uri)
+        return {"ETag": info.etag}
 
     # --- Storage ---------------------------------------------------------------------------
 
     def stat(self, uri: str) -> ObjectInfo:
         bucket, key = self._object(uri)
-        with self._errors(uri):
-            r = self.client.head_object(Bucket=bucket, Key=key)
+        r = self._head(uri, bucket, key)
         return ObjectInfo(
             uri=uri, size=int(r["ContentLength"]), etag=_etag(r.get("ETag")), mtime=r["LastModified"].timestamp()
         )
 
+    def _head(self, uri: str, bucket: str, key: str) -> dict[str, Any]:
+        def attempt() -> dict[str, Any]:
+            r = self.client.head_object(Bucket=bucket, Key=key)
+            if r.get("ContentLength") is None or r.get("LastModified") is None:
+                raise TruncatedResponse("HeadObject answered without Content-Length or Last-Modified")
+            return r
+
+        return self._retried(uri, attempt, "head_object")
+
     def user_metadata(self, uri: str) -> dict[str, str]:
         """The object's user metadata (``x-amz-meta-*``), keys lowercased as S3 returns them."""
         bucket, key = self._object(uri)
-        with self._errors(uri):
-            return dict(self.client.head_object(Bucket=bucket, Key=key).get("Metadata", {}))
+        return dict(self._head(uri, bucket, key).get("Metadata", {}))
 
     def read_range(self, uri: str, offset: int, length: int) -> bytes:
         check_range(uri, offset, length)
-        if length == 0:
-            return b""
-        bucket, key = self._object(uri)
-        for attempt in range(1, READ_ATTEMPTS + 1):
-            try:
-                data, content_range = self._get_range(uri, bucket, key, offset, length)
-                break
-            except _STREAM_ERRORS as e:
-                # The connection broke while the body streamed in; botocore retried only the request.
-                if attempt == READ_ATTEMPTS:
-                    raise StorageError(f"reading {uri} failed {attempt} times: {e}", uri=uri) from e
-                log.warning("retrying ranged read of %s after %s", uri, e)
-        if content_range is None and len(data) > length:
-            # The server ignored Range and sent the whole object (allowed by HTTP).
-            data = data[offset : offset + length]
-        if len(data) != length:
-            total = (content_range or "").rpartition("/")[2]
-            raise short_read(uri, offset, length, len(data), int(total) if total.isdigit() else None)
-        return data
+        buf = bytearray(length)
+        self.read_into(uri, offset, buf)
+        return bytes(buf)
 
-    def _get_range(self, uri: str, bucket: str, key: str, offset: int, length: int) -> tuple[bytes, str | None]:
-        """One ranged GET: the body and the Content-Range header (None when the server sent no range)."""
-        with self._errors(uri):
-            try:
-                r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
-            except ClientError as e:
-                code, status = _error_code(e)
-                if code == "InvalidRange" or status == 416:  # the range starts at or past the end
-                    size = e.response.get("Error", {}).get("ActualObjectSize")
-                    raise short_read(uri, offset, length, 0, int(size) if size else None) from None
-                raise
+    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
+        """Fill ``buf`` with the bytes at ``offset``: one ranged GET, retried per the policy; a
+        retry after a broken body asks only for the bytes still missing."""
+        view = memoryview(buf).cast("B")
+        length = len(view)
+        check_range(uri, offset, length)
+        if length == 0:
+            return
+        bucket, key = self._object(uri)
+        done = [0]  # bytes in place so far; survives the failed tries
+
+        def attempt() -> None:
+            self._get_into(uri, bucket, key, offset, view, done)
+
+        self._retried(uri, attempt, "get_object")
+
+    def _get_into(self, uri: str, bucket: str, key: str, offset: int, view: memoryview, done: list[int]) -> None:
+        """One ranged GET of ``view[done[0]:]``; advances ``done[0]`` as bytes arrive."""
+        length = len(view)
+        start = offset + done[0]
+        try:
+            r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{offset + length - 1}")
+        except ClientError as e:
+            code, status = _error_code(e)
+            if code == "InvalidRange" or status == 416:  # the range starts at or past the end
+                size = e.response.get("Error", {}).get("ActualObjectSize")
+                raise short_read(uri, offset, length, done[0], int(size) if size else None) from None
+            raise
         body = r["Body"]
         try:
-            return body.read(), r.get("ContentRange")
+            skip, _end, total = _served_range(r.get("ContentRange"), start)
+            announced = r.get("ContentLength")
+            raw = body._raw_stream  # readinto: straight into the caller's buffer, no intermediate copy
+            _skip(raw, skip)  # a server that ignored Range sends the object from byte 0
+            while done[0] < length:
+                # In slices: a read that fails mid-way loses what it had, so keep each one small.
+                n = raw.readinto(view[done[0] : done[0] + READ_SLICE])
+                if not n:
+                    break
+                done[0] += n
+            if done[0] == length:
+                return
+            got = done[0] - (start - offset)
+            if (total is not None and start + got >= total) or (announced is not None and skip + got >= announced):
+                # The response is whole and still short: the object itself ends early.
+                raise short_read(uri, offset, length, done[0], total)
+            raise TruncatedResponse(f"the body ended after {got} bytes of the range from offset {start}")
         finally:
             body.close()
 
@@ -345,32 +464,45 @@ class S3Storage(Storage):
             raise TargetExists(f"{uri} already exists", uri=uri)
         return S3Writer(self, uri, bucket, key, overwrite=overwrite, part_size=part_size, metadata=metadata)
 
+    def _pages(self, uri: str, method: Callable[..., dict[str, Any]], token: str, **kwargs: Any) -> Iterator[dict]:
+        """The pages of a listing call, each page retried on its own."""
+        extra: dict[str, Any] = {}
+        while True:
+            page = self._call(uri, method, **kwargs, **extra)
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            if token == "ContinuationToken":
+                extra = {"ContinuationToken": page["NextContinuationToken"]}
+            else:  # list_multipart_uploads
+                extra = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
+
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Objects whose URI starts with ``prefix``, in S3's order (UTF-8 binary order = sorted by URI).
 
         Keys ending in ``/`` (the "folder" markers consoles create) are not objects here.
         """
         bucket, key_prefix = split_s3(prefix)
-        paginator = self.client.get_paginator("list_objects_v2")
-        with self._errors(prefix):
-            for page in paginator.paginate(Bucket=bucket, Prefix=key_prefix):
-                for obj in page.get("Contents", ()):
-                    if obj["Key"].endswith("/"):
-                        continue
-                    yield ObjectInfo(
-                        uri=s3_uri(bucket, obj["Key"]),
-                        size=int(obj["Size"]),
-                        etag=_etag(obj.get("ETag")),
-                        mtime=obj["LastModified"].timestamp(),
-                    )
+        for page in self._pages(
+            prefix, self.client.list_objects_v2, "ContinuationToken", Bucket=bucket, Prefix=key_prefix
+        ):
+            for obj in page.get("Contents", ()):
+                if obj["Key"].endswith("/"):
+                    continue
+                yield ObjectInfo(
+                    uri=s3_uri(bucket, obj["Key"]),
+                    size=int(obj["Size"]),
+                    etag=_etag(obj.get("ETag")),
+                    mtime=obj["LastModified"].timestamp(),
+                )
 
     def delete(self, uri: str) -> None:
         bucket, key = self._object(uri, writing=True)
-        with self._errors(uri):
-            self.client.delete_object(Bucket=bucket, Key=key)
+        self._call(uri, self.client.delete_object, Bucket=bucket, Key=key)
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every key under ``prefix`` (folder markers included) in batches of 1000.
+        """Delete every key under ``prefix`` (folder markers included) in batches of 1000, and
+        abort the incomplete multipart uploads under it.
 
         Refuses an empty key prefix: that would empty the whole bucket.
         """
@@ -379,24 +511,52 @@ class S3Storage(Storage):
             raise InvalidRequest(
                 f"refusing to delete every object in bucket {bucket!r}", hint="name a narrower prefix", uri=prefix
             )
-        paginator = self.client.get_paginator("list_objects_v2")
         n = 0
-        with self._errors(prefix):
-            for page in paginator.paginate(Bucket=bucket, Prefix=key_prefix):
-                keys = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
-                if not keys:
-                    continue
-                r = self.client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-                errors = r.get("Errors") or []
-                if errors:
-                    first = errors[0]
-                    raise StorageError(
-                        f"could not delete {len(errors)} objects under {prefix}, e.g. {first.get('Key')}: "
-                        f"{first.get('Code')} {first.get('Message', '')}".rstrip(),
-                        uri=prefix,
-                    )
-                n += len(keys)
+        # Listing again after each batch: deleting while paginating would skip keys on some servers.
+        while True:
+            page = self._call(prefix, self.client.list_objects_v2, Bucket=bucket, Prefix=key_prefix)
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
+            if not keys:
+                break
+            self._delete_batch(prefix, bucket, keys)
+            n += len(keys)
+        self.abort_uploads(prefix)
         return n
+
+    def _delete_batch(self, prefix: str, bucket: str, keys: list[dict[str, str]]) -> None:
+        pending = keys
+
+        def attempt() -> None:
+            nonlocal pending
+            r = self.client.delete_objects(Bucket=bucket, Delete={"Objects": pending, "Quiet": True})
+            errors = r.get("Errors") or []
+            if not errors:
+                return
+            first = errors[0]
+            if all(err.get("Code") in _TRANSIENT_CODES for err in errors):
+                pending = [{"Key": err["Key"]} for err in errors]
+                raise TruncatedResponse(f"{len(errors)} deletions under {prefix} failed ({first.get('Code')})")
+            raise StorageError(
+                f"could not delete {len(errors)} objects under {prefix}, e.g. {first.get('Key')}: "
+                f"{first.get('Code')} {first.get('Message', '')}".rstrip(),
+                uri=prefix,
+            )
+
+        self._retried(prefix, attempt, "delete_objects")
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort every incomplete multipart upload whose key starts with ``prefix``'s key."""
+        bucket, key_prefix = split_s3(prefix)
+        uploads = [
+            (u["Key"], u["UploadId"])
+            for page in self._pages(
+                prefix, self.client.list_multipart_uploads, "KeyMarker", Bucket=bucket, Prefix=key_prefix
+            )
+            for u in page.get("Uploads", ())
+        ]
+        for key, upload_id in uploads:
+            self._abort_upload(bucket, key, upload_id, s3_uri(bucket, key))
+        return len(uploads)
 
     def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
         """Copy each staging object to its final key (server-side), in order, then delete the staging key.
@@ -405,75 +565,123 @@ class S3Storage(Storage):
         before the first copy, so a refused publish changes nothing.
         """
         pairs = list(pairs)
-        sizes = [self.stat(src).size for src, _ in pairs]
+        infos = [self.stat(src) for src, _ in pairs]
         if not overwrite:
             for _, dst in pairs:
                 if self.exists(dst):
                     raise TargetExists(f"{dst} already exists", uri=dst)
-        for (src, dst), size in zip(pairs, sizes, strict=True):
-            if size <= self.multipart_copy_threshold:
-                self._copy_object(src, dst, overwrite=overwrite)
+        for (src, dst), info in zip(pairs, infos, strict=True):
+            if info.size <= self.multipart_copy_threshold:
+                self._copy_object(src, dst, info, overwrite=overwrite)
             else:
-                self._copy_multipart(src, dst, size, overwrite=overwrite)
+                self._copy_multipart(src, dst, info.size, overwrite=overwrite)
             self.delete(src)
 
-    def _copy_object(self, src: str, dst: str, *, overwrite: bool) -> None:
+    def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
         kwargs = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
         if overwrite:
-            with self._errors(dst):
-                self.client.copy_object(**kwargs)
+            self._call(dst, self.client.copy_object, **kwargs)
         else:
-            self.create_only(dst, self.client.copy_object, **kwargs)
+            self.create_only(dst, self.client.copy_object, ours=lambda got: _same_object(got, info), **kwargs)
 
     def _copy_multipart(self, src: str, dst: str, size: int, *, overwrite: bool) -> None:
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
-        with self._errors(src):
-            head = self.client.head_object(Bucket=src_bucket, Key=src_key)
+        head = self._head(src, src_bucket, src_key)
         create: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": head.get("Metadata", {})}
         if head.get("ContentType"):
             create["ContentType"] = head["ContentType"]
         part = max(self.copy_part_size, math.ceil(size / MAX_PARTS))
-        with self._errors(dst):
-            upload_id = self.client.create_multipart_upload(**create)["UploadId"]
+        upload_id = self._call(dst, self.client.create_multipart_upload, **create)["UploadId"]
         try:
             parts = []
             for number, start in enumerate(range(0, size, part), start=1):
                 end = min(start + part, size) - 1
-                with self._errors(dst):
-                    r = self.client.upload_part_copy(
-                        Bucket=bucket,
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        CopySource={"Bucket": src_bucket, "Key": src_key},
-                        CopySourceRange=f"bytes={start}-{end}",
-                    )
+                r = self._call(
+                    dst,
+                    self.client.upload_part_copy,
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource={"Bucket": src_bucket, "Key": src_key},
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
                 parts.append({"PartNumber": number, "ETag": r["CopyPartResult"]["ETag"]})
-            complete = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "MultipartUpload": {"Parts": parts}}
-            if overwrite:
-                with self._errors(dst):
-                    self.client.complete_multipart_upload(**complete)
-            else:
-                self.create_only(dst, self.client.complete_multipart_upload, **complete)
+            self.complete_upload(dst, bucket, key, upload_id, parts, overwrite=overwrite)
         except BaseException:
             self._abort_upload(bucket, key, upload_id, dst)
             raise
 
+    def complete_upload(
+        self, uri: str, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], *, overwrite: bool
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "Bucket": bucket,
+            "Key": key,
+            "UploadId": upload_id,
+            "MultipartUpload": {"Parts": parts},
+        }
+        if overwrite:
+            return self._call(uri, self.client.complete_multipart_upload, **kwargs)
+        expected = multipart_etag([p["ETag"] for p in parts])
+        return self.create_only(
+            uri, self.client.complete_multipart_upload, ours=lambda got: got.etag == expected, **kwargs
+        )
+
     def _abort_upload(self, bucket: str, key: str, upload_id: str, uri: str) -> None:
         """Best effort: a failure here must not hide the error that made us abort."""
         try:
-            self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
-        except ClientError as e:
-            if _error_code(e)[0] != "NoSuchUpload":  # already gone is as good as aborted
+            self._call(uri, self.client.abort_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id)
+        except StorageError as e:
+            if not (isinstance(e.__cause__, ClientError) and _error_code(e.__cause__)[0] == "NoSuchUpload"):
                 log.warning("could not abort multipart upload %s of %s: %s", upload_id, uri, e)
-        except BotoCoreError as e:
-            log.warning("could not abort multipart upload %s of %s: %s", upload_id, uri, e)
 
     def join(self, base: str, *parts: str) -> str:
         return join_uri(base, *parts)
+
+
+def _served_range(content_range: str | None, start: int) -> tuple[int, int | None, int | None]:
+    """(bytes to skip, last byte served, object size) from a response's Content-Range.
+
+    Without one the server ignored Range and sends the object from byte 0 (allowed by HTTP).
+    A range that starts elsewhere than asked is a broken response.
+    """
+    if not content_range:
+        return start, None, None
+    unit, _, rest = content_range.partition(" ")
+    span, _, total_text = rest.partition("/")
+    first, _, last = span.partition("-")
+    try:
+        first_n, last_n = int(first), int(last)
+    except ValueError:
+        raise TruncatedResponse(f"unreadable Content-Range {content_range!r}") from None
+    if unit != "bytes" or first_n != start:
+        raise TruncatedResponse(f"asked for bytes from {start}, got Content-Range {content_range!r}")
+    return 0, last_n, int(total_text) if total_text.isdigit() else None
+
+
+def _skip(raw: Any, n: int) -> None:
+    while n > 0:
+        chunk = raw.read(min(n, 1 << 20))
+        if not chunk:
+            raise TruncatedResponse("the response ended before the requested range")
+        n -= len(chunk)
+
+
+def multipart_etag(part_etags: list[str]) -> str:
+    """The ETag S3 gives an object completed from parts with these ETags (MD5 of their MD5s, "-N")."""
+    digest = hashlib.md5(usedforsecurity=False)
+    for etag in part_etags:
+        digest.update(binascii.unhexlify(etag.strip('"')))
+    return f"{digest.hexdigest()}-{len(part_etags)}"
+
+
+def _same_object(got: ObjectInfo, source: ObjectInfo) -> bool:
+    """Whether ``got`` is a server-side copy of ``source`` (a copy keeps the ETag of a plain object)."""
+    return got.size == source.size and got.etag is not None and got.etag == source.etag
 
 
 class S3Writer(Writer):
@@ -547,8 +755,7 @@ class S3Writer(Writer):
         if self._storage.part_checksums:
             # AWS requires the upload to announce the algorithm its parts carry checksums of.
             kwargs["ChecksumAlgorithm"] = "CRC32"
-        with self._storage._errors(self.uri):
-            self._upload_id = self._client.create_multipart_upload(**kwargs)["UploadId"]
+        self._upload_id = self._storage._call(self.uri, self._client.create_multipart_upload, **kwargs)["UploadId"]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
 
     def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
@@ -561,8 +768,8 @@ class S3Writer(Writer):
         }
         if self._storage.part_checksums:
             kwargs["ChecksumAlgorithm"] = "CRC32"
-        with self._storage._errors(self.uri):
-            r = self._client.upload_part(**kwargs)
+        # Re-sending a part replaces it: safe to retry whatever happened to the earlier try.
+        r = self._storage._call(self.uri, self._client.upload_part, **kwargs)
         part = {"PartNumber": number, "ETag": r["ETag"]}
         if self._storage.part_checksums and r.get("ChecksumCRC32"):
             part["ChecksumCRC32"] = r["ChecksumCRC32"]
@@ -590,30 +797,29 @@ class S3Writer(Writer):
         return self._info
 
     def _put_whole(self) -> str | None:
-        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key, "Body": bytes(self._buf)}
+        body = bytes(self._buf)
+        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key, "Body": body}
         self._buf = bytearray()
         if self._metadata:
             kwargs["Metadata"] = self._metadata
         if self._overwrite:
-            with self._storage._errors(self.uri):
-                return self._client.put_object(**kwargs).get("ETag")
-        return self._storage.create_only(self.uri, self._client.put_object, **kwargs).get("ETag")
+            return self._storage._call(self.uri, self._client.put_object, **kwargs).get("ETag")
+
+        def ours(got: ObjectInfo) -> bool:
+            return got.size == len(body) and got.etag == hashlib.md5(body, usedforsecurity=False).hexdigest()
+
+        return self._storage.create_only(self.uri, self._client.put_object, ours=ours, **kwargs).get("ETag")
 
     def _complete(self) -> str | None:
         if self._buf:
             # The last part may be smaller than 5 MiB.
             self._send_part()
         self._wait_pending()
-        kwargs: dict[str, Any] = {
-            "Bucket": self._bucket,
-            "Key": self._key,
-            "UploadId": self._upload_id,
-            "MultipartUpload": {"Parts": self._parts},
-        }
-        if self._overwrite:
-            with self._storage._errors(self.uri):
-                return self._client.complete_multipart_upload(**kwargs).get("ETag")
-        return self._storage.create_only(self.uri, self._client.complete_multipart_upload, **kwargs).get("ETag")
+        assert self._upload_id is not None
+        r = self._storage.complete_upload(
+            self.uri, self._bucket, self._key, self._upload_id, self._parts, overwrite=self._overwrite
+        )
+        return r.get("ETag")
 
     def abort(self) -> None:
         if self._state != "open":

@@ -18,7 +18,6 @@ import contextlib
 import gc
 import posixpath
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -144,15 +143,15 @@ _HF_FILE_SUFFIXES = (".json", ".safetensors", ".bin")
 def local_hf_dir(uri: str) -> Iterator[str]:
     """``uri`` itself when local; an ``s3://`` prefix is copied (streamed, file by file) to a temporary
     directory first, because ``transformers`` loads from the filesystem only."""
-    from ckptconv.storage import is_local, local_path_of, open_storage
+    from ckptconv.storage import is_local, local_path_of, open_storage, scratch
 
     if is_local(uri):
         yield local_path_of(uri)
         return
     storage = open_storage(uri)
     prefix = uri.rstrip("/") + "/"
-    tmp = tempfile.mkdtemp(prefix="ckptconv-hf-")
-    try:
+    with scratch.directory("hf") as tmp_dir:
+        tmp = str(tmp_dir)
         copied = 0
         for info in storage.list(prefix):
             name = info.uri[len(prefix) :]
@@ -164,8 +163,6 @@ def local_hf_dir(uri: str) -> Iterator[str]:
         if not copied:
             raise InvalidRequest(f"no Hugging Face model files under {uri}", hint="point --hf at the model's directory")
         yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _hf_forward(hf_dir: str, class_name: str, headless: bool, inputs: Mapping[str, torch.Tensor]) -> dict:
