@@ -53,9 +53,10 @@ from typing import Any
 from celery.exceptions import SoftTimeLimitExceeded
 
 from ckptconv import __version__, jobs
-from ckptconv.core.errors import Cancelled, CkptconvError, TimeLimitExceeded, WorkerLost
+from ckptconv.core import webhooks
+from ckptconv.core.errors import Cancelled, CkptconvError, TimeLimitExceeded, WebhookRefused, WorkerLost
 from ckptconv.core.jobstore import TERMINAL, JobStore, RedisKeys, encode_field, iso, job_resource, now_ms
-from ckptconv.core.webhooks import WebhookRefused, check_destination, sign
+from ckptconv.core.webhooks import sign
 from ckptconv.engine.convert import inspect as inspect_checkpoint
 from worker.celery_app import app
 
@@ -376,16 +377,18 @@ def deliver_webhook(self: Any, job_id: str) -> None:
     error: str | None = None
     final = False
     try:
-        check_destination(hook["url"], s.webhook_allow_private_networks)
-        response = httpx.post(
-            hook["url"], content=body, headers=headers, timeout=s.webhook_timeout_seconds, follow_redirects=False
+        status = webhooks.post(
+            hook["url"],
+            body,
+            headers,
+            timeout=s.webhook_timeout_seconds,
+            allow_private=s.webhook_allow_private_networks,
         )
-        status = response.status_code
         if not 200 <= status < 300:
             error = f"HTTP {status}"
     except WebhookRefused as e:
         error, final = str(e), True
-    except httpx.HTTPError as e:
+    except (webhooks.Unresolvable, httpx.HTTPError) as e:  # DNS, connect errors, timeouts: retried
         error = f"{type(e).__name__}: {e}"
     delivery = {"attempts": attempt, "last_status": status, "last_error": error}
     if error is None:

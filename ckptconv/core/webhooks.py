@@ -1,4 +1,10 @@
-"""Standard Webhooks signatures (https://www.standardwebhooks.com/): sign and verify.
+"""Webhook destinations (checked against SSRF) and Standard Webhooks signatures
+(https://www.standardwebhooks.com/): sign and verify.
+
+Destinations: unless private networks are allowed, a webhook URL whose host has any loopback,
+private, link-local or reserved address is refused, when the job is submitted (the API) and again
+at every delivery attempt, where the connection goes to the address just checked (a name that
+answers differently the second time, DNS rebinding, cannot redirect the request).
 
 A delivery carries three headers: ``webhook-id`` (stable across retries of one event, so a
 receiver can drop duplicates), ``webhook-timestamp`` (Unix seconds of this attempt) and
@@ -9,16 +15,19 @@ used as UTF-8 bytes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import ipaddress
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
-from ckptconv.core.errors import Unauthorized
+from ckptconv.core.errors import ServiceUnavailable, Unauthorized, WebhookRefused
 
 SECRET_PREFIX = "whsec_"
 
@@ -64,27 +73,118 @@ def verify(secret: str, headers: Mapping[str, str], body: bytes, *, tolerance_se
         raise Unauthorized("webhook signature does not match")
 
 
-class WebhookRefused(Exception):
-    """The destination may not be called (e.g. a private address): retrying cannot help."""
+class Unresolvable(Exception):
+    """The destination's name did not resolve (DNS down, or a name not known yet): worth retrying."""
 
 
-def check_destination(url: str, allow_private: bool) -> None:
-    """Refuse URLs that resolve to loopback, private, link-local or reserved addresses (SSRF).
+@dataclass(frozen=True)
+class Destination:
+    """Where a webhook goes: the URL as given, and the address the request will connect to."""
 
-    The check resolves the name at delivery time; a name that changes its answer between this
-    check and the connection (DNS rebinding) is not caught: put an egress proxy in front of
-    workers where that matters.
-    """
+    url: str
+    scheme: str
+    host: str
+    port: int
+    address: str
+
+    def request_args(self) -> dict[str, Any]:
+        """httpx arguments that connect to ``address`` (the one that was checked, never a second
+        lookup of the name), while the Host header and TLS (SNI and certificate) use the name."""
+        parts = urlsplit(self.url)
+        literal = f"[{self.address}]" if ":" in self.address else self.address
+        pinned = parts._replace(netloc=f"{literal}:{self.port}").geturl()
+        extensions = {"sni_hostname": self.host} if self.scheme == "https" else {}
+        return {"url": pinned, "headers": {"host": parts.netloc.rpartition("@")[2]}, "extensions": extensions}
+
+
+def parse_destination(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of a webhook URL; :class:`WebhookRefused` unless it is http(s) with a host."""
     parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise WebhookRefused(f"invalid port in {url}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WebhookRefused(f"not an http(s) URL: {url}")
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def check_addresses(host: str, addresses: list[str], allow_private: bool) -> None:
+    """Refuse a host any of whose addresses is loopback, private, link-local or reserved (SSRF)."""
+    if not addresses:
+        raise Unresolvable(f"{host} has no address")
+    if allow_private:
+        return
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        if not ip.is_global or ip.is_multicast:
+            raise WebhookRefused(f"{host} resolves to a non-public address ({ip})")
+
+
+def addresses_of(infos: list[Any]) -> list[str]:
+    """The addresses in ``getaddrinfo`` results, in order, once each."""
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def resolve_destination(
+    url: str, allow_private: bool, getaddrinfo: Callable[..., list[Any]] = socket.getaddrinfo
+) -> Destination:
+    """Resolve the webhook's host, check every address, and pin the first one for the connection.
+
+    Called at each delivery attempt (the answer may have changed since the job was submitted: DNS
+    rebinding), and the connection goes to the address checked here. Raises
+    :class:`WebhookRefused` (final) or :class:`Unresolvable` (retry later).
+    """
+    scheme, host, port = parse_destination(url)
+    try:
+        infos = getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise Unresolvable(f"cannot resolve {host}: {e}") from None
+    addresses = addresses_of(infos)
+    check_addresses(host, addresses, allow_private)
+    return Destination(url, scheme, host, port, addresses[0])
+
+
+def post(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    timeout: float,
+    allow_private: bool,
+    getaddrinfo: Callable[..., list[Any]] = socket.getaddrinfo,
+) -> int:
+    """One delivery attempt: resolve and check the destination, POST to the checked address.
+
+    Returns the HTTP status. Raises :class:`WebhookRefused` (final: retrying cannot help), or
+    :class:`Unresolvable` / ``httpx.HTTPError`` (transient: DNS, connect errors, timeouts).
+    """
+    import httpx
+
+    destination = resolve_destination(url, allow_private, getaddrinfo)
+    args = destination.request_args()
+    with httpx.Client(timeout=timeout, follow_redirects=False) as client:
+        response = client.post(
+            args["url"], content=body, headers={**headers, **args["headers"]}, extensions=args["extensions"]
+        )
+    return response.status_code
+
+
+async def check_at_submit(url: str, allow_private: bool) -> None:
+    """The API's check of a new job's webhook: every address of its host must be public.
+
+    Raises :class:`WebhookRefused` (422) for a refused destination or a name that does not exist,
+    :class:`ServiceUnavailable` (503, retry) when name resolution failed for now.
+    """
+    _scheme, host, port = parse_destination(url)
     if allow_private:
         return
     try:
-        infos = socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
-    except OSError as e:
-        raise WebhookRefused(f"cannot resolve {parts.hostname}: {e}") from None
-    for info in infos:
-        ip = ipaddress.ip_address(info[4][0])
-        if not ip.is_global:
-            raise WebhookRefused(f"{parts.hostname} resolves to a non-public address ({ip})")
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            raise WebhookRefused(f"{host} does not resolve", hint="check the webhook URL's host name") from None
+        raise ServiceUnavailable(f"could not resolve the webhook's host {host} now") from None
+    except (OSError, UnicodeError):
+        raise WebhookRefused(f"{host} does not resolve", hint="check the webhook URL's host name") from None
+    check_addresses(host, addresses_of(infos), allow_private)

@@ -20,6 +20,7 @@ import anyio
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
+from ckptconv.core import webhooks
 from ckptconv.core.auth import Principal
 from ckptconv.core.errors import Cancelled, Conflict, InvalidRequest, NotFound, ServiceUnavailable, TargetTaken
 from ckptconv.core.jobstore import TERMINAL, job_resource, new_job_id, new_record, now_ms
@@ -69,6 +70,8 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
             f"max_runtime_seconds={max_runtime} exceeds this service's limit of {settings.max_runtime_limit_seconds}"
         )
 
+    if body.webhook is not None:
+        await webhooks.check_at_submit(body.webhook.url, settings.webhook_allow_private_networks)
     job_id = new_job_id()
     created = now_ms()
     request_doc = {

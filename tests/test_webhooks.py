@@ -1,0 +1,170 @@
+"""Completion webhooks: destinations refused at submit and re-checked at every delivery (the
+connection goes to the address checked, so DNS rebinding cannot redirect it), and transient failures
+(connect errors, 5xx, name resolution) retried with backoff by a real worker.
+
+Name resolution is the one thing replaced here, by a resolver function passed in (``getaddrinfo``):
+it stands for a DNS server whose answers change, which a test cannot otherwise control.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from conftest import free_port
+from fastapi.testclient import TestClient
+from test_api import assert_problem, drop_prefix, job_body
+from test_e2e_service import Service, wait_for
+
+from ckptconv.core.auth import create_key
+from ckptconv.core.errors import WebhookRefused
+from ckptconv.core.jobstore import RedisKeys
+from ckptconv.core.settings import Settings
+from ckptconv.core.webhooks import Unresolvable, post, resolve_destination
+from service.app import create_app
+
+SECRET = "whsec_dGVzdC1vbmx5LXNlY3JldC1mb3Itd2ViaG9va3M="
+REFUSED = [
+    "http://127.0.0.1:9/hook",
+    "http://localhost:8080/hook",
+    "http://[::1]/hook",
+    "http://169.254.169.254/latest/meta-data/",
+    "http://10.1.2.3/hook",
+    "http://192.168.0.1/hook",
+    "http://100.64.0.1/hook",  # shared address space (carrier-grade NAT)
+    "http://0.0.0.0/hook",
+    "http://[fe80::1]/hook",
+    "http://[::ffff:127.0.0.1]/hook",
+    "http://2130706433/hook",  # 127.0.0.1 written as one number
+    "http://nonexistent.invalid/hook",  # a name that does not exist
+]
+
+
+@pytest.fixture
+def production_api(redis_url: str) -> Iterator[tuple[TestClient, dict[str, str]]]:
+    prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    settings = Settings(environment="production", webhook_secret=SECRET, redis_url=redis_url, redis_prefix=prefix)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key, _ = create_key(r, RedisKeys(prefix), "team-a", ["s3://bucket/team-a/"])
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            yield client, {"Authorization": f"Bearer {key}"}
+    finally:
+        drop_prefix(r, prefix)
+
+
+@pytest.mark.parametrize("url", REFUSED)
+def test_private_loopback_and_link_local_webhooks_are_refused_at_submit(production_api, url: str) -> None:
+    client, auth = production_api
+    r = client.post("/v1/jobs", json=job_body(webhook={"url": url}), headers=auth)
+    assert_problem(r, 422, "webhook_refused")
+    assert client.get("/v1/jobs", headers=auth).json()["jobs"] == []
+
+
+def test_a_public_webhook_is_accepted(production_api) -> None:
+    client, auth = production_api
+    r = client.post("/v1/jobs", json=job_body(webhook={"url": "https://93.184.216.34/hook"}), headers=auth)
+    assert r.status_code == 202, r.text
+
+
+def _answers(address: str):
+    """A resolver that answers ``address`` for every name."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+
+    def getaddrinfo(host: str, port: int, *args: Any, **kwargs: Any) -> list[Any]:
+        return [(family, socket.SOCK_STREAM, 6, "", (address, port))]
+
+    return getaddrinfo
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        status = self.server.statuses.pop(0) if self.server.statuses else 204  # type: ignore[attr-defined]
+        self.server.seen.append((self.headers["host"], status))  # type: ignore[attr-defined]
+        self.send_response(status)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _receiver(port: int = 0, statuses: list[int] | None = None) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Receiver)
+    server.seen, server.statuses = [], list(statuses or [])  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_delivery_rechecks_the_name_and_connects_to_the_address_it_checked() -> None:
+    server = _receiver()
+    port = server.server_port
+    url = f"http://hooks.example.test:{port}/hook"
+    try:
+        # The name now answers a loopback address (it was public at submit: rebinding): refused.
+        with pytest.raises(WebhookRefused):
+            post(url, b"{}", {}, timeout=5, allow_private=False, getaddrinfo=_answers("127.0.0.1"))
+        assert server.seen == []  # type: ignore[attr-defined]
+        # Where private networks are allowed, the request goes to the address resolved, by name.
+        status = post(url, b"{}", {}, timeout=5, allow_private=True, getaddrinfo=_answers("127.0.0.1"))
+        assert status == 204 and server.seen == [(f"hooks.example.test:{port}", 204)]  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    def no_dns(*args: Any, **kwargs: Any) -> list[Any]:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    with pytest.raises(Unresolvable):  # transient: the worker retries it
+        resolve_destination(url, allow_private=False, getaddrinfo=no_dns)
+    with pytest.raises(WebhookRefused):
+        resolve_destination("file:///etc/passwd", allow_private=True)
+    # Every address counts: one private address among public ones refuses the name.
+    mixed = _answers("93.184.216.34")
+
+    def two(host: str, port: int, *a: Any, **k: Any) -> list[Any]:
+        return mixed(host, port) + _answers("10.0.0.7")(host, port)
+
+    with pytest.raises(WebhookRefused):
+        resolve_destination("http://hooks.example.test/", allow_private=False, getaddrinfo=two)
+
+
+def test_a_worker_retries_connect_errors_and_5xx_until_delivered(redis_url: str, tmp_path: Path) -> None:
+    svc = Service(redis_url, f"wh-{uuid.uuid4().hex[:8]}", tmp_path)
+    port = free_port()  # nothing listens there yet: the first attempts cannot connect
+    auth = {"Authorization": f"Bearer {svc.key}"}
+    server = None
+    try:
+        svc.start_worker()
+        body = {
+            "kind": "convert",
+            "source": {"uri": f"s3://{svc.bucket}/team/in.safetensors"},
+            "target": {"uri": f"s3://{svc.bucket}/team/out/model.mdl", "format": "cs-h5"},
+            "webhook": {"url": f"http://127.0.0.1:{port}/hook", "secret": SECRET},
+        }
+        job = httpx.post(svc.url + "/v1/jobs", json=body, headers=auth).raise_for_status().json()
+        httpx.post(f"{svc.url}/v1/jobs/{job['id']}/cancel", headers=auth)  # ended either way: the hook fires
+
+        def hook() -> dict[str, Any]:
+            return httpx.get(f"{svc.url}/v1/jobs/{job['id']}", headers=auth).json()["webhook"]
+
+        first = wait_for(lambda: (h := hook())["attempts"] >= 1 and h)
+        assert first["delivered_at"] is None and "Connect" in first["last_error"]
+        server = _receiver(port, statuses=[503])  # up now, and failing once more
+        done = wait_for(lambda: (h := hook())["delivered_at"] and h)
+        assert done["last_status"] == 204 and done["attempts"] >= 3
+        assert [status for _, status in server.seen] == [503, 204]  # type: ignore[attr-defined]
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        svc.stop()
