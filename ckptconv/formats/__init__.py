@@ -60,6 +60,14 @@ FORMATS: dict[str, FormatSpec] = {
             (".index",),
         ),
         FormatSpec(
+            "dcp",
+            "ckptconv.formats.dcp",
+            "DcpSource",
+            None,
+            "PyTorch Distributed Checkpoint (a directory with .metadata and *.distcp), read only",
+            (".metadata",),
+        ),
+        FormatSpec(
             "cs-s3",
             "ckptconv.formats.cs_s3",
             "CsS3Source",

@@ -32,6 +32,7 @@ _SUFFIXES: list[tuple[str, str]] = [
     (".pth", "torch"),
     (".ckpt", "torch"),
     (".index", "tf"),
+    (".metadata", "dcp"),
 ]
 
 # Inside a directory or prefix: the file that identifies a format, most specific first.
@@ -39,6 +40,7 @@ _MARKERS: list[tuple[str, str]] = [
     ("model.safetensors.index.json", "safetensors"),
     ("pytorch_model.bin.index.json", "torch"),
     ("__METADATA__", "cs-s3"),
+    (".metadata", "dcp"),
 ]
 
 
@@ -66,8 +68,9 @@ def detect_source_format(storage: Storage, uri: str) -> str:
         by_name = format_from_name(uri)
         head = storage.read_range(uri, 0, min(64, storage.stat(uri).size))
         by_magic = _format_from_magic(head)
-        if by_magic and by_name and by_name != by_magic and by_name != "tf":
-            # A name can lie (a .bin that is safetensors); the bytes cannot.
+        if by_magic and by_name and by_name != by_magic and by_name not in ("tf", "dcp"):
+            # A name can lie (a .bin that is safetensors); the bytes cannot. A TF index and a DCP
+            # .metadata name a whole checkpoint whose first file alone says little.
             return by_magic
         if by_name:
             return by_name

@@ -11,7 +11,9 @@ checkpoints) resolves its globals through :func:`resolve_global` and nothing els
 - torch's pytree ``TreeSpec``/``LeafSpec`` and Cerebras' ``TensorScalarDict``: mapped to the inert
   stand-ins below, whose only behaviour is to hold state;
 - dill's helpers for builtin types and namedtuple classes, mapped to equivalents that only look
-  names up in fixed tables.
+  names up in fixed tables;
+- for a PyTorch distributed checkpoint's ``.metadata`` only, the DCP metadata classes, mapped to
+  inert records (:data:`DCP_METADATA`).
 
 Anything else raises :class:`~ckptconv.core.errors.UnsafeCheckpoint` before a single call is made
 (rebuilds of quantized, sparse or device-only tensors raise UnsupportedValue: they are torch's own,
@@ -390,6 +392,104 @@ _UNSUPPORTED_TORCH = {
 }
 
 
+# --- PyTorch Distributed Checkpoint metadata (``.metadata``; read with ``dcp_metadata=True``) ----------
+
+
+class DcpRecord:
+    """Holds the pickled state of one DCP metadata dataclass as attributes; does nothing else."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            merged: dict[str, Any] = {}
+            for part in state:
+                if isinstance(part, dict):
+                    merged.update(part)
+            state = merged
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise CorruptCheckpoint(f"DCP metadata: a {type(self).__name__} has an unexpected state")
+        self.__dict__.update(state)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+
+class DcpMetadata(DcpRecord):
+    pass
+
+
+class DcpTensorStorage(DcpRecord):
+    pass
+
+
+class DcpBytesStorage(DcpRecord):
+    pass
+
+
+class DcpChunk(DcpRecord):
+    pass
+
+
+class DcpIndex(DcpRecord):
+    pass
+
+
+class DcpStorageInfo(DcpRecord):
+    pass
+
+
+class DcpTensorProperties(DcpRecord):
+    """DCP pickles tensor properties as a tuple: (dtype, layout, requires_grad, memory format, pin_memory)."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise CorruptCheckpoint("DCP metadata: tensor properties have an unexpected state")
+        self.__dict__.update(dtype=state[0], layout=state[1])
+
+
+def _dcp_enum(value: Any) -> int:
+    if type(value) is not int:
+        raise UnsafeCheckpoint("DCP metadata: an enum built from a non-integer; refused")
+    return value
+
+
+def _dcp_layout(name: Any) -> str:
+    if not isinstance(name, str):
+        raise UnsafeCheckpoint("DCP metadata: a tensor layout named by a non-string; refused")
+    return name
+
+
+def _dcp_size(items: Any = ()) -> tuple[int, ...]:
+    if not isinstance(items, list | tuple) or not all(type(i) is int for i in items):
+        raise CorruptCheckpoint("DCP metadata: a torch.Size holds something other than integers")
+    return tuple(items)
+
+
+def _dcp_path(*parts: Any) -> str:
+    # StorageMeta.checkpoint_id is the path the trainer saved to: kept as text, never used.
+    if not all(isinstance(p, str) for p in parts):
+        raise UnsafeCheckpoint("DCP metadata: a path built from non-strings; refused")
+    return "/".join(parts)
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+# The classes torch.distributed.checkpoint's FileSystemWriter pickles into .metadata, as inert
+# records; consulted only for that file (a DCP class anywhere else is as unexpected as any class).
+DCP_METADATA: dict[tuple[str, str], Any] = {
+    (_DCP, "Metadata"): DcpMetadata,
+    (_DCP, "TensorStorageMetadata"): DcpTensorStorage,
+    (_DCP, "BytesStorageMetadata"): DcpBytesStorage,
+    (_DCP, "ChunkStorageMetadata"): DcpChunk,
+    (_DCP, "MetadataIndex"): DcpIndex,
+    (_DCP, "StorageMeta"): DcpRecord,
+    (_DCP, "TensorProperties"): DcpTensorProperties,
+    (_DCP, "_MEM_FORMAT_ENCODING"): _dcp_enum,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
+    ("torch.serialization", "_get_layout"): _dcp_layout,
+    ("torch", "Size"): _dcp_size,
+    **{("pathlib", cls): _dcp_path for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
+}
+
+
 _TENSOR_SCALAR_DICT = (
     "cerebras_pytorch.utils.tensor_scalar_dict",
     "cerebras.pytorch.utils.tensor_scalar_dict",
@@ -456,11 +556,14 @@ def _torch_dtype_names() -> frozenset[str]:
     return frozenset(n for n, v in vars(torch).items() if isinstance(v, torch.dtype))
 
 
-def resolve_global(module: str, name: str, *, weights_only: bool = False) -> Any:
+def resolve_global(module: str, name: str, *, weights_only: bool = False, dcp_metadata: bool = False) -> Any:
     """What a pickle's GLOBAL ``module.name`` stands for, or UnsafeCheckpoint.
 
-    ``weights_only`` narrows the allowlist to what ``torch.load(weights_only=True)`` accepts.
+    ``weights_only`` narrows the allowlist to what ``torch.load(weights_only=True)`` accepts;
+    ``dcp_metadata`` adds the classes of a distributed checkpoint's ``.metadata`` (:data:`DCP_METADATA`).
     """
+    if dcp_metadata and (module, name) in DCP_METADATA:
+        return DCP_METADATA[(module, name)]
     # Protocols 0-2 may spell names as Python 2 did (__builtin__.complex); the translated name
     # still has to pass the allowlist.
     if (module, name) in _compat_pickle.NAME_MAPPING:

@@ -34,16 +34,18 @@ __all__ = ["MAX_NESTING", "PickledLeafSpec", "PickledTreeSpec", "RestrictedUnpic
 class RestrictedUnpickler(pickle.Unpickler):
     """An unpickler whose globals come from the allowlist only; persistent ids are refused.
 
-    ``weights_only`` narrows the allowlist to what ``torch.load(weights_only=True)`` accepts.
+    ``weights_only`` narrows the allowlist to what ``torch.load(weights_only=True)`` accepts;
+    ``dcp_metadata`` widens it by the classes of a distributed checkpoint's ``.metadata``.
     Subclasses that read external records (torch storages) override :meth:`persistent_load`.
     """
 
-    def __init__(self, file: IO[bytes], *, weights_only: bool = False) -> None:
+    def __init__(self, file: IO[bytes], *, weights_only: bool = False, dcp_metadata: bool = False) -> None:
         super().__init__(file)
         self.weights_only = weights_only
+        self.dcp_metadata = dcp_metadata
 
     def find_class(self, module: str, name: str) -> Any:
-        return resolve_global(module, name, weights_only=self.weights_only)
+        return resolve_global(module, name, weights_only=self.weights_only, dcp_metadata=self.dcp_metadata)
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpoint("the pickle uses persistent ids (external objects); refused")
@@ -82,22 +84,23 @@ def _finish(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
-def load_stream(file: IO[bytes], *, what: str = "pickle") -> Any:
+def load_stream(file: IO[bytes], *, what: str = "pickle", dcp_metadata: bool = False) -> Any:
     """The first pickle of ``file``, as plain data (see the module docstring); reads no further."""
-    obj = run(RestrictedUnpickler(file), what)
+    obj = run(RestrictedUnpickler(file, dcp_metadata=dcp_metadata), what)
     try:
         return _finish(obj)
     except CheckpointError as e:
         raise type(e)(f"{what}: {e.message}", hint=e.hint, **e.details) from None
 
 
-def loads(data: bytes | bytearray | memoryview, *, what: str = "pickle") -> Any:
+def loads(data: bytes | bytearray | memoryview, *, what: str = "pickle", dcp_metadata: bool = False) -> Any:
     """Unpickle ``data`` allowing only plain data (see the module docstring).
 
     Raises UnsafeCheckpoint when the pickle names anything else, CorruptCheckpoint when it is
     malformed. ``what`` names the payload in error messages (e.g. "tree spec of legacy.mdl").
+    ``dcp_metadata`` also allows the classes of a distributed checkpoint's ``.metadata``.
     """
-    return load_stream(io.BytesIO(bytes(data)), what=what)
+    return load_stream(io.BytesIO(bytes(data)), what=what, dcp_metadata=dcp_metadata)
 
 
 def try_loads(data: bytes | bytearray | memoryview) -> tuple[bool, Any]:

@@ -20,6 +20,7 @@ from ckptconv.core.errors import CorruptCheckpoint, UnsupportedFormat
 from ckptconv.formats.pickle_allowlist import MAX_NESTING, StorageRef, StorageType, TensorRef
 from ckptconv.formats.restricted_pickle import RestrictedUnpickler, run
 from ckptconv.formats.sharding import Slot, read_slot
+from ckptconv.storage.base import RangeReader
 
 if TYPE_CHECKING:
     import torch
@@ -99,16 +100,19 @@ class Archive:
 
     Only the central directory goes through ``zipfile`` (a few small reads at the end of the
     file); members are read with ranged reads at their data offsets, so opening an archive on
-    S3 never downloads tensor data.
+    S3 never downloads tensor data. ``base``/``size`` place the archive inside a larger file (the
+    records of a PyTorch distributed checkpoint are ``torch.save`` archives at offsets of its
+    ``.distcp`` files); offsets this class returns are offsets in that file.
     """
 
-    def __init__(self, storage: Storage, uri: str) -> None:
+    def __init__(self, storage: Storage, uri: str, *, base: int = 0, size: int | None = None) -> None:
         self.storage = storage
         self.uri = uri
-        self.size = storage.stat(uri).size
+        self.base = base
+        self.size = storage.stat(uri).size if size is None else size
         self._offsets: dict[str, int] = {}
         try:
-            with storage.open_reader(uri) as reader, zipfile.ZipFile(reader) as zf:
+            with self._reader() as reader, zipfile.ZipFile(reader) as zf:
                 self.members = {info.filename: info for info in zf.infolist()}
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             raise CorruptCheckpoint(f"{self.uri} is not a readable zip archive ({e})") from e
@@ -130,6 +134,11 @@ class Archive:
             raise CorruptCheckpoint(f"{self.uri}: unknown byte order {order[:16]!r}")
         self.big_endian = order == b"big"
         self.tree = describe_pickle(pkl, self.uri)
+
+    def _reader(self) -> Any:
+        if self.base == 0 and self.size == self.storage.stat(self.uri).size:
+            return self.storage.open_reader(self.uri)
+        return io.BufferedReader(RangeReader(self.storage, self.uri, self.size, start=self.base), 64 << 10)
 
     def _member(self, name: str) -> zipfile.ZipInfo:
         info = self.members.get(self.prefix + name)
@@ -166,14 +175,14 @@ class Archive:
                 )
             if info.header_offset + 30 > self.size:
                 raise CorruptCheckpoint(f"{self.uri}: {info.filename} starts past the end of the file")
-            head = self.storage.read_range(self.uri, info.header_offset, 30)
+            head = self.storage.read_range(self.uri, self.base + info.header_offset, 30)
             sig, name_len, extra_len = struct.unpack("<I22xHH", head)
             if sig != 0x04034B50:
                 raise CorruptCheckpoint(f"{self.uri}: {info.filename} has a bad local header")
             start = info.header_offset + 30 + name_len + extra_len
             if start + info.file_size > self.size:
                 raise CorruptCheckpoint(f"{self.uri}: {info.filename} runs past the end of the file")
-            self._offsets[name] = start
+            self._offsets[name] = self.base + start
         return self._offsets[name]
 
 

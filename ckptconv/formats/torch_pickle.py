@@ -82,7 +82,7 @@ LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy (pre-1.6) 
 # --- reading ---------------------------------------------------------------------------------
 
 
-def _leaf_entry(key: str, leaf: Any) -> tuple[Entry, Any]:
+def leaf_entry(key: str, leaf: Any) -> tuple[Entry, Any]:
     """The entry for a non-tensor leaf, and the value ``read`` returns for it."""
     if plain_value(leaf):
         return Entry(key, "value", value=leaf), leaf
@@ -169,7 +169,7 @@ class TorchSource(TensorSource):
                 dtype, shape = _legacy_tensor(uri, key, leaf)
                 tie = (leaf.untyped_storage().data_ptr(), dtype, leaf.storage_offset(), shape, leaf.stride())
             else:
-                entry, value = _leaf_entry(key, leaf)
+                entry, value = leaf_entry(key, leaf)
                 entries.append(entry)
                 self._refs[key] = (uri, value)
                 continue

@@ -163,14 +163,17 @@ class RangeReader(io.RawIOBase):
     """A seekable read-only file object built on ``Storage.read_range``, with read-ahead.
 
     h5py and tarfile-style consumers issue many small reads; the read-ahead buffer turns them
-    into few ranged requests while memory stays bounded by ``block_size``.
+    into few ranged requests while memory stays bounded by ``block_size``. With ``start``, the
+    reader is a window: position 0 is byte ``start`` of the object and ``size`` bytes follow (a
+    file stored inside another, such as the records of a PyTorch distributed checkpoint).
     """
 
-    def __init__(self, storage: Storage, uri: str, size: int, block_size: int = 8 << 20) -> None:
+    def __init__(self, storage: Storage, uri: str, size: int, block_size: int = 8 << 20, *, start: int = 0) -> None:
         super().__init__()
         self._storage = storage
         self._uri = uri
         self._size = size
+        self._start = start
         self._pos = 0
         self._block_size = block_size
         self._buf = b""
@@ -209,10 +212,10 @@ class RangeReader(io.RawIOBase):
             start = self._pos - self._buf_start
             view[:want] = self._buf[start : start + want]
         elif want >= self._block_size:
-            view[:want] = self._storage.read_range(self._uri, self._pos, want)
+            view[:want] = self._storage.read_range(self._uri, self._start + self._pos, want)
         else:
             length = min(self._block_size, self._size - self._pos)
-            self._buf = self._storage.read_range(self._uri, self._pos, length)
+            self._buf = self._storage.read_range(self._uri, self._start + self._pos, length)
             self._buf_start = self._pos
             view[:want] = self._buf[:want]
         self._pos += want

@@ -1,0 +1,191 @@
+"""PyTorch Distributed Checkpoint (DCP) as a source: files written by torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from dcp_writer import grid, save_dcp
+from safetensors.torch import load_file
+from tiny_models import tiny_llama
+
+from ckptconv.cli import main
+from ckptconv.core.errors import CorruptCheckpoint, PathEscape, UnsafeCheckpoint
+from ckptconv.engine.convert import convert
+from ckptconv.engine.diff import diff_checkpoints
+from ckptconv.formats.detect import open_source
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state() -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed.weight": torch.randn(10, 6, generator=g),
+        "model.proj.weight": torch.randn(7, 5, 3, generator=g).to(torch.bfloat16),
+        "model.proj.bias": torch.randn(7, generator=g),
+        "model.count": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "optim.step": 42,
+        "optim.lr": 3e-4,
+        "optim.name": "adamw",
+    }
+
+
+# Uneven splits on several dims, as FSDP (dim 0) and tensor parallelism (dim 1) shard.
+CHUNKS = {
+    "model.embed.weight": grid((10, 6), (3, 2)),
+    "model.proj.weight": grid((7, 5, 3), (2, 2, 1)),
+    "model.proj.bias": grid((7,), (4,)),
+}
+
+
+@pytest.fixture
+def dcp_dir(tmp_path: Path) -> Path:
+    return save_dcp(_state(), tmp_path / "dcp", CHUNKS, thread_count=3)
+
+
+def test_chunked_tensors_read_back_whole(dcp_dir: Path) -> None:
+    assert sorted(p.name for p in dcp_dir.iterdir()) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    want = _state()
+    src = open_source(str(dcp_dir))
+    try:
+        assert src.format == "dcp" and src.info["chunks"] == 6 + 4 + 4 + 1
+        assert [e.key for e in src.entries()] == list(want)
+        for e in src.entries():
+            got = src.read(e.key)
+            if isinstance(want[e.key], torch.Tensor):
+                assert e.kind == "tensor" and got.dtype == want[e.key].dtype and torch.equal(got, want[e.key])
+            else:
+                assert e.kind == "value" and got == want[e.key]
+    finally:
+        src.close()
+    # The .metadata file itself names the checkpoint too.
+    assert open_source(str(dcp_dir / ".metadata")).read("model.proj.bias").shape == (7,)
+
+
+def test_same_tensors_as_torchs_own_reader(dcp_dir: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(dcp_dir), str(tmp_path / "torch.pt"))
+    result = diff_checkpoints(str(dcp_dir), str(tmp_path / "torch.pt"))
+    assert result.identical and result.compared == len(_state()), result.to_dict()
+
+
+@pytest.mark.parametrize(
+    "fmt,name", [("cs-h5", "out.mdl"), ("safetensors", "out"), ("torch", "out.pt"), ("tf", "tf/ckpt")]
+)
+def test_to_every_local_format(dcp_dir: Path, tmp_path: Path, fmt: str, name: str) -> None:
+    result = convert(str(dcp_dir), str(tmp_path / name), to=fmt)
+    assert result.verify["ok"] and result.tensors == 4
+    assert diff_checkpoints(str(dcp_dir), result.target).identical
+
+
+def test_to_cs_s3(dcp_dir: Path, s3_bucket: str) -> None:
+    target = f"s3://{s3_bucket}/from-dcp/"
+    result = convert(str(dcp_dir), target, to="cs-s3")
+    assert result.verify["ok"] and diff_checkpoints(str(dcp_dir), target, format_b="cs-s3").identical
+
+
+def test_dcp_of_a_llama_through_the_model_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The conversion DCP users ask for most: DCP -> Hugging Face safetensors, then on to cs-2.9."""
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "hf")  # the reference: what transformers itself writes
+    chunks = {
+        "model.embed_tokens.weight": grid((256, 64), (2, 2)),
+        "model.layers.0.self_attn.q_proj.weight": grid((64, 64), (4, 1)),
+        "model.layers.1.mlp.down_proj.weight": grid((64, 128), (1, 3)),
+    }
+    save_dcp(dict(model.state_dict()), tmp_path / "dcp", chunks)
+
+    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf_from_dcp"), "--to", "safetensors"]) == 0
+    shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "hf_from_dcp" / "config.json")
+    got = load_file(tmp_path / "hf_from_dcp" / "model.safetensors")
+    for key, value in model.state_dict().items():
+        assert torch.equal(got[key], value), key
+
+    cs = ["--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", "--no-progress", "--json"]
+    capsys.readouterr()
+    assert main(["convert-model", str(tmp_path / "hf_from_dcp"), str(tmp_path / "cs"), *cs]) == 0
+    from_dcp = json.loads(capsys.readouterr().out)["target"]
+    assert main(["convert-model", str(tmp_path / "hf"), str(tmp_path / "cs_ref"), *cs]) == 0
+    reference = json.loads(capsys.readouterr().out)["target"]
+    # transformers' own file omits nothing here (untied head), so both paths give the same checkpoint.
+    assert diff_checkpoints(from_dcp, reference).identical
+    # The model conversion also reads the DCP directly (config named explicitly).
+    direct = ["--config", str(tmp_path / "hf" / "config.json")]
+    assert main(["convert-model", str(tmp_path / "dcp"), str(tmp_path / "cs_direct"), *cs, *direct]) == 0
+    assert diff_checkpoints(json.loads(capsys.readouterr().out)["target"], reference).identical
+
+
+class _Exec:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, ("touch pwned",))
+
+
+def _rewrite_metadata(dcp_dir: Path, edit) -> None:
+    path = dcp_dir / ".metadata"
+    with path.open("rb") as f:
+        meta = pickle.load(f)  # the test's own file, written by torch above
+    edit(meta)
+    path.write_bytes(pickle.dumps(meta))
+
+
+def test_hostile_metadata_is_refused_typed(
+    dcp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(_Exec()))
+    with pytest.raises(UnsafeCheckpoint, match=r"(posix|os)\.system"):
+        open_source(str(dcp_dir))
+    assert main(["inspect", str(dcp_dir)]) == 2
+    assert "unsafe_checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "pwned").exists()
+
+    # A code-running object hidden inside otherwise real metadata (the planner data is free-form).
+    fresh = save_dcp(_state(), tmp_path / "d2", CHUNKS)
+    _rewrite_metadata(fresh, lambda m: setattr(m, "planner_data", {"x": _Exec()}))
+    with pytest.raises(UnsafeCheckpoint):
+        open_source(str(fresh))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_inconsistent_metadata_is_refused_typed(tmp_path: Path) -> None:
+    def bad(name: str, edit) -> Path:
+        d = save_dcp(_state(), tmp_path / name, CHUNKS)
+        _rewrite_metadata(d, edit)
+        return d
+
+    def drop_chunk(m) -> None:
+        m.state_dict_metadata["model.proj.bias"].chunks.pop()
+
+    def escape(m) -> None:
+        next(iter(m.storage_data.values())).relative_path = "../../etc/passwd"
+
+    def past_end(m) -> None:
+        next(iter(m.storage_data.values())).length = 10**9
+
+    def outside(m) -> None:
+        m.state_dict_metadata["model.proj.bias"].chunks[0].offsets = torch.Size([6])
+
+    with pytest.raises(CorruptCheckpoint, match="hold 6 elements, its size \\[7\\] has 7"):
+        open_source(str(bad("hole", drop_chunk)))
+    with pytest.raises(PathEscape):
+        open_source(str(bad("escape", escape)))
+    with pytest.raises(CorruptCheckpoint, match="past the end"):
+        open_source(str(bad("past", past_end)))
+    with pytest.raises(CorruptCheckpoint, match="outside"):
+        open_source(str(bad("outside", outside)))
+    # A record whose bytes are not what the metadata says: refused when read, nothing written.
+    d = save_dcp(_state(), tmp_path / "swap", CHUNKS)
+    raw = bytearray((d / "__0_0.distcp").read_bytes())
+    raw[:4] = b"XXXX"
+    (d / "__0_0.distcp").write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpoint):
+        convert(str(d), str(tmp_path / "x.mdl"), to="cs-h5")
+    assert not (tmp_path / "x.mdl").exists()
