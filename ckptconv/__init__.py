@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ckptconv.core.version import __version__
 
 if TYPE_CHECKING:
     from ckptconv.core.errors import CkptconvError
@@ -38,10 +38,10 @@ if TYPE_CHECKING:
     from ckptconv.engine.run import ConvertResult
 
 # Name -> (module, attribute). Resolved on first access (module __getattr__) instead of imported
-# here, for two reasons: every module of every layer imports this package first (``__version__``),
-# so importing the engine here would run it (and its imports) in processes that never convert --
-# the API server among them -- and the engine itself imports ``ckptconv`` for ``__version__``,
-# which an eager import would turn into a cycle.
+# here: Python imports this package before any of its modules, so importing the engine here would
+# run it (and its imports: torch, h5py) in processes that never convert -- the API server among
+# them. The type checker sees the imports above; the import-linter layers see the names as strings,
+# and no lower layer imports this package (the version lives in ckptconv.core.version).
 _EXPORTS: dict[str, tuple[str, str]] = {
     "convert": ("ckptconv.engine.convert", "convert"),
     "inspect": ("ckptconv.engine.convert", "inspect"),

@@ -84,10 +84,18 @@ def test_to_every_local_format(dcp_dir: Path, tmp_path: Path, fmt: str, name: st
     assert diff_checkpoints(str(dcp_dir), result.target).identical
 
 
-def test_to_cs_s3(dcp_dir: Path, s3_bucket: str) -> None:
+def test_on_s3_both_ways(dcp_dir: Path, tmp_path: Path, s3_server: str, s3_bucket: str) -> None:
     target = f"s3://{s3_bucket}/from-dcp/"
     result = convert(str(dcp_dir), target, to="cs-s3")
     assert result.verify["ok"] and diff_checkpoints(str(dcp_dir), target, format_b="cs-s3").identical
+    # A DCP saved under an S3 prefix is found by its .metadata and read with ranged requests.
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    for f in dcp_dir.iterdir():
+        s3.upload_file(str(f), s3_bucket, f"run/step-10/{f.name}")
+    result = convert(f"s3://{s3_bucket}/run/step-10", str(tmp_path / "from_s3.mdl"), to="cs-h5")
+    assert result.source["format"] == "dcp" and diff_checkpoints(str(dcp_dir), result.target).identical
 
 
 def test_dcp_of_a_llama_through_the_model_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from ckptconv.cli.models import MODEL_ONLY_OPTIONS, model_conversion_arguments
+from ckptconv.cli.output import ProgressBar, human_size, print_result
 from ckptconv.core.errors import InvalidRequest
 
 DTYPE_ALIASES = {
@@ -102,14 +102,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_formats)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ckptconv.engine.convert import inspect
 
@@ -125,7 +117,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if info.get(k) is not None:
             print(f"{k + ':':<9} {info[k]}")
     print(f"keys:     {view['keys']} ({view['tensors']} tensors)")
-    print(f"bytes:    {view['total_bytes']} ({_human(view['total_bytes'])})")
+    print(f"bytes:    {view['total_bytes']} ({human_size(view['total_bytes'])})")
     if view["dtypes"]:
         print("dtypes:   " + ", ".join(f"{d} x{n}" for d, n in sorted(view["dtypes"].items())))
     print()
@@ -141,63 +133,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             desc = f"object ({e['bytes']} bytes)"
         print(f"  {e['key']:<{width}}  {desc}")
     return 0
-
-
-class _Bar:
-    """A tqdm progress bar fed by engine progress snapshots (one bar per stage)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: Any = None
-        self.stage: str | None = None
-
-    def __call__(self, p: Any) -> None:
-        if not self.enabled or p.stage in ("planning", "done"):
-            if p.stage == "done":
-                self.close()
-            return
-        from tqdm import tqdm
-
-        if p.stage != self.stage:
-            self.close()
-            self.stage = p.stage
-            self.bar = tqdm(
-                total=p.bytes_total,
-                unit="B",
-                unit_scale=True,
-                desc=f"{p.stage:<10}",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
-        self.bar.n = p.bytes_done
-        self.bar.set_postfix_str(f"{p.tensors_done}/{p.tensors_total} tensors", refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-def print_result(result: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-        return
-    verify = result.get("verify") or {}
-    print(f"wrote {result['tensors']} tensors, {_human(result['bytes'])} as {result['format']} to {result['target']}")
-    for o in result["outputs"]:
-        print(f"  {o['role']:<7} {o['uri']}  {_human(o['size'])}  sha256 {(o['sha256'] or '')[:16]}")
-    print(f"  manifest {result['manifest']}")
-    if verify.get("ok"):
-        print(f"verified: OK, {verify['entries_checked']} entries re-read and matched ({verify.get('hash')})")
-    elif verify.get("skipped"):
-        print("verified: skipped (--no-verify)")
-    for w in result.get("warnings") or []:
-        print(f"warning: {w}")
-    t = result.get("timings") or {}
-    if t:
-        print("timings: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in t.items()))
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -216,7 +151,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"{', '.join(stray)} belong to a model conversion",
             hint="add --model, --src-fmt and --tgt-fmt, or run convert-model",
         )
-    bar = _Bar(not args.no_progress)
+    bar = ProgressBar(not args.no_progress)
     try:
         result = convert(
             args.source,
@@ -294,7 +229,7 @@ def _convert_model_form(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     from ckptconv.engine.diff import diff_checkpoints
 
-    bar = _Bar(not (args.no_progress or args.json))
+    bar = ProgressBar(not (args.no_progress or args.json))
     try:
         result = diff_checkpoints(
             args.a,

@@ -83,10 +83,10 @@ def _print_result(result: Any, as_json: bool) -> None:
 
 
 def _convert_with_progress(args: argparse.Namespace, source: str, target: str, **options: Any) -> Any:
-    from ckptconv.cli.engine import _Bar
+    from ckptconv.cli.output import ProgressBar
     from ckptconv.engine.convert import convert
 
-    bar = _Bar(not args.no_progress)
+    bar = ProgressBar(not args.no_progress)
     try:
         return convert(source, target, progress=bar, **options)
     finally:

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from ckptconv.cli.output import ProgressBar, print_result
 from ckptconv.core.errors import InvalidRequest
 
 FORMAT_HELP = "hf, cs-X.Y (cs-1.6 ... cs-2.9), cs-auto (source: detect), cs-current (target: cs-2.9)"
@@ -165,8 +166,6 @@ def cmd_convert_model(args: argparse.Namespace) -> int:
 
 
 def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> int:
-    from ckptconv.cli.engine import _Bar, print_result
-
     options: dict[str, Any] = {
         "model": args.model,
         "src_fmt": args.src_fmt,
@@ -192,7 +191,7 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
 
     from ckptconv.engine.layouts import convert_model
 
-    bar = _Bar(not args.no_progress)
+    bar = ProgressBar(not args.no_progress)
     try:
         result = convert_model(
             args.source,

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from ckptconv.cli.output import human_size
 from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest
 
 
@@ -193,16 +194,6 @@ def _print_json(doc: Any) -> None:
     print()
 
 
-def _human(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
 def _print_job(job: dict[str, Any]) -> None:
     print(f"job:      {job['id']}  ({job['kind']})")
     print(f"state:    {job['state']}")
@@ -215,7 +206,7 @@ def _print_job(job: dict[str, Any]) -> None:
     if p and not job["done"]:
         print(
             f"progress: {p['stage']} {p['tensors_done']}/{p['tensors_total']} tensors, "
-            f"{_human(p['bytes_done'])}/{_human(p['bytes_total'])}"
+            f"{human_size(p['bytes_done'])}/{human_size(p['bytes_total'])}"
         )
     print(f"created:  {job['created_at']}")
     if job.get("finished_at"):
@@ -224,7 +215,7 @@ def _print_job(job: dict[str, Any]) -> None:
     if result:
         print("outputs:")
         for o in result.get("outputs", []):
-            print(f"  {o['uri']}  {_human(o['size'])}  sha256:{o.get('sha256')}")
+            print(f"  {o['uri']}  {human_size(o['size'])}  sha256:{o.get('sha256')}")
         if result.get("manifest"):
             print(f"manifest: {result['manifest']}")
         for w in result.get("warnings", []):

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptconv import __version__
 from ckptconv.core.errors import (
     InvalidRequest,
     LeaseLost,
@@ -48,6 +47,7 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.fencing import current_attempt, fence
 from ckptconv.core.uri import normalize_uri
+from ckptconv.core.version import __version__
 from ckptconv.engine.execute import (
     CancelFn,
     Progress,
