@@ -31,6 +31,7 @@ CHROMIUM_ARGS = [
 ]
 SCREENSHOT = ROOT / "docs" / "dashboard.png"
 HOSTILE = '<img src=x onerror="window.__pwned=1">'
+HOSTILE_KEY = "<svg onload=window.__pwned=2>missing"
 WAIT_MS = 60_000
 
 
@@ -133,7 +134,7 @@ def test_the_page_ships_with_a_strict_content_security_policy(service: Service) 
 def test_jobs_appear_move_live_fail_with_their_code_and_cancel(service: Service, page) -> None:
     name = service.bucket
     make_checkpoint(name, "team/dash/long.safetensors", 3000, dim=8)
-    failing = submit(service.dev_url, convert_body(name, "team/dash/missing.safetensors", "team/dash/none.mdl"))
+    failing = submit(service.dev_url, convert_body(name, f"team/dash/{HOSTILE_KEY}.safetensors", "team/dash/none.mdl"))
     long = submit(service.dev_url, convert_body(name, "team/dash/long.safetensors", "team/dash/long.mdl", note=HOSTILE))
 
     page.goto(service.dev_url + "/")
@@ -144,7 +145,10 @@ def test_jobs_appear_move_live_fail_with_their_code_and_cancel(service: Service,
     error = row(page, failing["id"]).locator(".error")
     error.wait_for()
     assert error.locator(".error-code").text_content() == "object_not_found"
-    assert "missing.safetensors" in error.locator(".error-message").text_content()
+    assert f"{HOSTILE_KEY}.safetensors" in error.locator(".error-message").text_content()  # the URI, as text
+    assert (
+        row(page, failing["id"]).locator(".source").text_content() == f"s3://{name}/team/dash/{HOSTILE_KEY}.safetensors"
+    )
 
     # Progress moves without reloading the page: the job's event stream updates the row.
     page.evaluate("window.__samePage = true")
@@ -157,7 +161,7 @@ def test_jobs_appear_move_live_fail_with_their_code_and_cancel(service: Service,
     # A hostile label is text, not markup.
     chip = row(page, long["id"]).locator(".label")
     assert chip.text_content() == f"note={HOSTILE}"
-    assert page.locator("#jobs img").count() == 0 and page.evaluate("window.__pwned") is None
+    assert page.locator("#jobs img, #jobs svg").count() == 0 and page.evaluate("window.__pwned") is None
 
     # Cancel from the job's detail.
     row(page, long["id"]).locator("button.link").click()
@@ -243,7 +247,8 @@ def test_production_mode_asks_for_the_key_and_keeps_it_out_of_urls_and_local_sto
 
 @pytest.fixture(scope="module")
 def crowded(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:  # noqa: F811
-    """A development-mode API (no worker) whose owner has 10,000 jobs: 1 in 10 a verify, 1 in 7 failed."""
+    """A development-mode API (no worker) whose owner has 10,000 jobs: 1 in 10 a verify, 1 in 7 failed,
+    and the newest two verify jobs with their logit comparisons (passed, and failed with a mismatch)."""
     svc = Service(
         redis_url,
         bucket,
@@ -260,60 +265,86 @@ def crowded(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactor
 
 
 async def _seed(redis_url: str, prefix: str, bucket_name: str, n: int) -> None:
+    import redis
     import redis.asyncio
 
     from ckptconv.core.auth import DEV_PRINCIPAL
+    from ckptconv.core.errors import LogitMismatch
     from ckptconv.core.jobstore import AsyncJobStore, JobStore, RedisKeys, new_job_id, new_record
 
     keys = RedisKeys(prefix)
     client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
     store = AsyncJobStore(client, keys)
-    failed: list[str] = []
+
+    async def create(i: int, kind: str) -> str:
+        job_id = new_job_id()
+        request = {
+            "source": {"uri": f"s3://{bucket_name}/seed/{i}.safetensors"},
+            "target": {"uri": f"s3://{bucket_name}/seed/{i}.mdl", "format": "cs-h5"},
+            "options": {},
+            "labels": {"n": str(i)},
+            "webhook": None,
+            "max_runtime_seconds": 60,
+        }
+        rec = new_record(
+            job_id,
+            owner=DEV_PRINCIPAL.id,
+            kind=kind,
+            request=request,
+            webhook_secret=None,
+            created=int(job_id[4:16], 16),
+        )
+        # Queued on a queue no worker reads: the records and indexes are what the page reads.
+        await store.submit(
+            rec,
+            labels=request["labels"],
+            idem_key=None,
+            fingerprint="",
+            idem_ttl_seconds=60,
+            response_body="",
+            queue="seeded",
+            message="{}",
+        )
+        return job_id
+
     try:
-        for start in range(0, n, 50):
-            batch = []
-            for i in range(start, min(n, start + 50)):
-                kind = "verify" if i % 10 == 0 else "convert"
-                job_id = new_job_id()
-                rec = new_record(
-                    job_id,
-                    owner=DEV_PRINCIPAL.id,
-                    kind=kind,
-                    request={
-                        "source": {"uri": f"s3://{bucket_name}/seed/{i}.safetensors"},
-                        "target": {"uri": f"s3://{bucket_name}/seed/{i}.mdl", "format": "cs-h5"},
-                        "options": {},
-                        "labels": {"n": str(i)},
-                        "webhook": None,
-                        "max_runtime_seconds": 60,
-                    },
-                    webhook_secret=None,
-                    created=int(job_id[4:16], 16),
-                )
-                # Queued on a queue no worker reads: the records and indexes are what is measured.
-                batch.append(
-                    store.submit(
-                        rec,
-                        labels={"n": str(i)},
-                        idem_key=None,
-                        fingerprint="",
-                        idem_ttl_seconds=60,
-                        response_body="",
-                        queue="seeded",
-                        message="{}",
-                    )
-                )
-                if i % 7 == 0:
-                    failed.append(job_id)
-            await asyncio.gather(*batch)
+        failed: list[str] = []
+        for start in range(0, n - 2, 50):
+            batch = range(start, min(n - 2, start + 50))
+            ids = await asyncio.gather(*(create(i, "verify" if i % 10 == 0 else "convert") for i in batch))
+            failed += [job_id for i, job_id in zip(batch, ids, strict=True) if i % 7 == 0]
+        # The newest two, a millisecond apart so that their order is known: verify jobs as a worker
+        # records them, one passing and one failing its verdict.
+        await asyncio.sleep(0.002)
+        passed = await create(n - 2, "verify")
+        await asyncio.sleep(0.002)
+        mismatched = await create(n - 1, "verify")
     finally:
         await client.aclose()
-    import redis as sync_redis
-
-    with sync_redis.Redis.from_url(redis_url) as r:
+    with redis.Redis.from_url(redis_url) as r:
         sync = JobStore(r, keys)
         for job_id in failed:
             sync.transition(job_id, ("queued",), "failed", {"error": '{"code":"seeded","detail":"seeded failure"}'})
+        sync.transition(passed, ("queued",), "succeeded", {"result": _verdict(True, outputs=[], warnings=[])})
+        problem = LogitMismatch("llama: max |diff| 3.000e-02 exceeds tolerance 1e-05", **_verdict(False))
+        sync.transition(mismatched, ("queued",), "failed", {"error": problem.to_problem()})
+
+
+def _verdict(passed: bool, **extra: object) -> dict:
+    """The fields a verify job records (ckptconv.jobs.verify)."""
+    diff = 1e-7 if passed else 3e-2
+    comparison = {"shape": [2, 16, 128], "max_abs_diff": diff, "max_rel_diff": diff / 4, "cosine_similarity": 0.99999}
+    return {
+        "verdict": "pass" if passed else "fail",
+        "passed": passed,
+        "max_abs_diff": diff,
+        "max_rel_diff": diff / 4,
+        "cosine_similarity": 0.99999,
+        "tolerance": 1e-5,
+        "rtol": 0.0,
+        "logits": {"logits": comparison},
+        **extra,
+    }
 
 
 def column(page, read: str) -> list[str]:
@@ -341,12 +372,25 @@ def test_paging_and_filters_over_10000_jobs(crowded: Service, page) -> None:
     page.wait_for_selector("#page-number:text('page 1')")
     wait_for(lambda: set(column(page, "r => r.dataset.state")) == {"failed"}, timeout=60, interval=0.1)
     assert page.locator("#jobs tbody tr").count() == 20
-    assert page.locator("#jobs tbody tr .error-code").first.text_content() == "seeded"
+    assert set(page.locator("#jobs tbody tr .error-code").all_text_contents()) == {"logit_mismatch", "seeded"}
 
     page.select_option("#filter-state", "")
     page.select_option("#filter-kind", "verify")
     wait_for(lambda: set(column(page, "r => r.cells[1].textContent")) == {"verify"}, timeout=60, interval=0.1)
     assert page.locator("#jobs tbody tr").count() == 20
+
+
+def test_a_verify_jobs_logit_comparison_in_its_detail(crowded: Service, page) -> None:
+    page.goto(crowded.url + "/")
+    page.wait_for_selector("#jobs tbody tr")
+    mismatched, passed = column(page, "r => r.dataset.job")[:2]
+    for job_id, verdict, diff in ((passed, "pass", "1.00000e-7"), (mismatched, "fail", "0.0300000")):
+        row(page, job_id).locator("button.link").click()
+        page.wait_for_selector(f"#detail h2:text('{job_id}')")
+        section = page.locator("#detail .comparison")
+        assert section.locator("dd").first.text_content() == verdict
+        assert section.locator("tbody td").all_text_contents()[:3] == ["logits", "[2,16,128]", diff]
+    assert page.locator("#detail .error-code").text_content() == "logit_mismatch"
 
 
 def test_screenshot_for_the_readme(service: Service, page) -> None:

@@ -27,6 +27,7 @@ const view = {
   kinds: [],
   formats: [],
   reloadTimer: 0,
+  loads: 0, // list requests sent
 };
 
 // --- building elements (text only) -----------------------------------------------------------
@@ -160,13 +161,16 @@ function listPath() {
 }
 
 async function loadPage() {
+  // Only the latest request may render: a slower answer to an earlier one (another filter, page) is dropped.
+  const seq = ++view.loads;
   let page;
   try {
     page = await api("GET", listPath());
   } catch (error) {
-    fail(error);
+    if (seq === view.loads) fail(error);
     return;
   }
+  if (seq !== view.loads) return;
   view.jobs = new Map(page.jobs.map((job) => [job.id, job]));
   view.order = page.jobs.map((job) => job.id);
   view.next = page.next_cursor;
