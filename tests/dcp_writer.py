@@ -68,7 +68,10 @@ class ChunkingPlanner(DefaultSavePlanner):
         return tensor.clone()  # a rank holds its chunk in its own storage
 
 
-def save_dcp(state_dict: dict[str, Any], path: Path, chunks: Chunking | None = None, thread_count: int = 2) -> Path:
-    writer = dcp.FileSystemWriter(str(path), thread_count=thread_count)
-    dcp.save(state_dict, storage_writer=writer, planner=ChunkingPlanner(chunks or {}), no_dist=True)
+def save_dcp(
+    state_dict: dict[str, Any], path: Path, chunks: Chunking | None = None, thread_count: int = 2, **writer: Any
+) -> Path:
+    """``writer``: more FileSystemWriter options (``serialization_format=...``)."""
+    storage_writer = dcp.FileSystemWriter(str(path), thread_count=thread_count, **writer)
+    dcp.save(state_dict, storage_writer=storage_writer, planner=ChunkingPlanner(chunks or {}), no_dist=True)
     return path

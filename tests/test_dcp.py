@@ -67,6 +67,23 @@ def test_chunked_tensors_read_back_whole(dcp_dir: Path) -> None:
     assert open_source(str(dcp_dir / ".metadata")).read("model.proj.bias").shape == (7,)
 
 
+def test_safetensors_serialization(tmp_path: Path) -> None:
+    """DCP's other record format: each .distcp ends with safetensors data (one chunk per key per file)."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    want = {"w": torch.randn(64, 8), "b": torch.ones(3, dtype=torch.bfloat16), "step": 5}
+    # Two equal chunks of w land in the two files (the writer fills the emptier file first).
+    d = save_dcp(
+        want, tmp_path / "st", {"w": grid((64, 8), (2, 1))}, serialization_format=SerializationFormat.SAFETENSORS
+    )
+    src = open_source(str(d))
+    try:
+        assert torch.equal(src.read("w"), want["w"]) and torch.equal(src.read("b"), want["b"])
+        assert src.read("step") == 5 and src.info["chunks"] == 3
+    finally:
+        src.close()
+
+
 def test_same_tensors_as_torchs_own_reader(dcp_dir: Path, tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

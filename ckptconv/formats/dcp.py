@@ -5,7 +5,8 @@ torchtitan and other distributed trainings write. ``.metadata`` is a pickle of D
 for every flattened key (``model.layers.0.attention.wq.weight``, ``optimizer.state...``) the
 tensor's global size, dtype and the chunks the ranks saved (offsets and sizes), and where each
 chunk's record sits (file, byte offset, length). Every record is a ``torch.save`` archive of one
-chunk; non-tensor values (step counters, hyperparameters) are ``torch.save`` archives of the value.
+chunk (or, saved with ``serialization_format=SAFETENSORS``, a tensor of the safetensors data that
+ends the file); non-tensor values (step counters, hyperparameters) are ``torch.save`` archives.
 
 Reading never calls ``pickle.load`` or ``torch.load``:
 
@@ -44,7 +45,8 @@ from ckptconv.formats.pickle_allowlist import (
     TensorRef,
     TorchDtype,
 )
-from ckptconv.formats.sharding import LocalFiles
+from ckptconv.formats.safetensors_fmt import read_header
+from ckptconv.formats.sharding import LocalFiles, Slot, read_slot
 from ckptconv.formats.torch_archive import Archive, read_ref
 from ckptconv.formats.torch_pickle import leaf_entry
 
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from ckptconv.storage.base import Storage
 
 METADATA = ".metadata"
+ZIP_MAGIC = b"PK\x03\x04"  # a torch.save record; else DCP's safetensors serialization
 MAX_METADATA_BYTES = 512 << 20  # a few MB for a model with thousands of keys and hundreds of ranks
 
 
@@ -101,6 +104,7 @@ class DcpSource(TensorSource):
         self._entries: list[Entry] = []
         self._chunks: dict[str, list[_Chunk]] = {}
         self._values: dict[str, Any] = {}
+        self._headers: dict[tuple[str, int], Any] = {}  # (file, offset) -> safetensors Header
         where = self._locations(meta.storage_data)
         for key, md in meta.state_dict_metadata.items():
             if not isinstance(key, str):
@@ -229,17 +233,35 @@ class DcpSource(TensorSource):
         return out
 
     def _read_chunk(self, key: str, entry: Entry, chunk: _Chunk) -> torch.Tensor:
+        fd = self._local.fd(chunk.file)
+        if self.storage.read_range(chunk.file, chunk.offset, 4) != ZIP_MAGIC:
+            return read_slot(self.storage, self._safetensors_slot(key, entry, chunk), fd)
         archive = self._archive(chunk)
         ref = archive.tree
         if not isinstance(ref, TensorRef):
             raise CorruptCheckpoint(f"{chunk.file}: the record of {key!r} at {list(chunk.offsets)} is not a tensor")
-        if ref.dtype != entry.dtype or tuple(ref.shape) != chunk.sizes:
+        self._check_record(key, entry, chunk, ref.dtype, tuple(ref.shape))
+        archive.check(ref)
+        return read_ref(archive, ref, fd)
+
+    def _safetensors_slot(self, key: str, entry: Entry, chunk: _Chunk) -> Slot:
+        """A chunk saved with ``serialization_format=SAFETENSORS``: the record is a tensor of the
+        safetensors file that starts at the record's offset (one chunk per key in each file)."""
+        where = (chunk.file, chunk.offset)
+        if where not in self._headers:
+            self._headers[where] = read_header(self.storage, chunk.file, base=chunk.offset)
+        slot = self._headers[where].slots.get(key)
+        if slot is None:
+            raise CorruptCheckpoint(f"{chunk.file}: the safetensors data at byte {chunk.offset} has no {key!r}")
+        self._check_record(key, entry, chunk, slot.dtype, slot.shape)
+        return slot
+
+    def _check_record(self, key: str, entry: Entry, chunk: _Chunk, dtype: str | None, shape: tuple) -> None:
+        if dtype != entry.dtype or shape != chunk.sizes:
             raise CorruptCheckpoint(
-                f"{chunk.file}: the record of {key!r} at {list(chunk.offsets)} holds {ref.dtype}{list(ref.shape)}, "
+                f"{chunk.file}: the record of {key!r} at {list(chunk.offsets)} holds {dtype}{list(shape)}, "
                 f"the metadata says {entry.dtype}{list(chunk.sizes)}"
             )
-        archive.check(ref)
-        return read_ref(archive, ref, self._local.fd(chunk.file))
 
     def close(self) -> None:
         self._local.close()

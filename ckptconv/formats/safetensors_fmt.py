@@ -133,17 +133,22 @@ def _is_uint(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
-def read_header(storage: Storage, uri: str) -> Header:
-    """Read and validate the header of one safetensors file (two small ranged reads)."""
-    size = storage.stat(uri).size
+def read_header(storage: Storage, uri: str, *, base: int = 0) -> Header:
+    """Read and validate the header of one safetensors file (two small ranged reads).
+
+    ``base``: the safetensors data starts at this byte of ``uri`` and runs to its end (as in the
+    ``.distcp`` files of a distributed checkpoint saved in DCP's safetensors format); the slots
+    returned are offsets in ``uri``.
+    """
+    size = storage.stat(uri).size - base
     if size < 8:
         raise CorruptCheckpoint(f"{uri} is {size} bytes: too short for a safetensors file")
-    (n,) = struct.unpack("<Q", storage.read_range(uri, 0, 8))
+    (n,) = struct.unpack("<Q", storage.read_range(uri, base, 8))
     if n > MAX_HEADER:
         raise CorruptCheckpoint(f"{uri}: header length {n} exceeds the {MAX_HEADER}-byte limit")
     if n > size - 8:
         raise CorruptCheckpoint(f"{uri}: header length {n} runs past the end of the {size}-byte file")
-    raw = storage.read_range(uri, 8, n)
+    raw = storage.read_range(uri, base + 8, n)
     if not raw.lstrip(JSON_WHITESPACE).startswith(b"{"):
         raise CorruptCheckpoint(f"{uri}: the safetensors header is not a JSON object")
     try:
@@ -183,7 +188,7 @@ def read_header(storage: Storage, uri: str) -> Header:
                 f"{uri}: {key!r} has {end - begin} bytes, but {st_dtype}{shape} needs a different size"
             )
         spans.append((begin, end, key))
-        slots[key] = Slot(uri, data_start + begin, end - begin, dtype, tuple(shape))
+        slots[key] = Slot(uri, base + data_start + begin, end - begin, dtype, tuple(shape))
     # The specification forbids holes and overlaps: the tensors tile the data area exactly.
     spans.sort(key=lambda s: (s[0], s[1]))
     cursor = 0
