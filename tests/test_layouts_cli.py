@@ -163,6 +163,8 @@ def test_job_kind_handler_plan_and_run(tiny_llama: Path, tmp_path: Path) -> None
     ctx = context_from_request(request, job_id="job-1")
     result = handler(ctx.kind).run(ctx)
     assert result["target"].endswith("model_to_cs-2.9.mdl") and result["verify"]["ok"]
+    # Config keys no rule maps are on the job's result, as on the command line.
+    assert any("Key not matched" in w and "use_cache" in w for w in result["warnings"])
     again = handler(ctx.kind).run(context_from_request(request, job_id="job-1"))  # redelivery is idempotent
     assert again["manifest"] == result["manifest"]
     bad = {**request, "target": {"uri": str(tmp_path / "x"), "format": "safetensors"}}
