@@ -15,6 +15,7 @@ died stops counting when its entry expires.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -70,21 +71,33 @@ class RateLimiter:
         self._take = redis.register_script(_TAKE)
         # key id -> [tokens left, window end (monotonic), refused until the window ends]
         self._local: dict[str, list[Any]] = {}
+        self._pending: dict[str, asyncio.Future[None]] = {}
 
     async def take(self, key_id: str) -> None:
         if self.per_second <= 0:
             return
-        now = time.monotonic()
-        slot = self._local.get(key_id)
-        if slot is not None and slot[1] > now:
-            if slot[0] > 0:
-                slot[0] -= 1
-                return
-            if slot[2]:
-                raise self._refusal(slot[1] - now)
-        granted, left_ms = await self._take(
-            keys=[self.keys.rate(key_id)], args=[self.share, self.per_second, WINDOW_MS]
-        )
+        while True:
+            now = time.monotonic()
+            slot = self._local.get(key_id)
+            if slot is not None and slot[1] > now:
+                if slot[0] > 0:
+                    slot[0] -= 1
+                    return
+                if slot[2]:
+                    raise self._refusal(slot[1] - now)
+            pending = self._pending.get(key_id)
+            if pending is None:
+                break
+            # One request of this process asks Redis for the next share; the others wait for its answer
+            # (all asking at once would take many shares and leave the last ones none).
+            await asyncio.shield(pending)
+        self._pending[key_id] = asyncio.get_running_loop().create_future()
+        try:
+            granted, left_ms = await self._take(
+                keys=[self.keys.rate(key_id)], args=[self.share, self.per_second, WINDOW_MS]
+            )
+        finally:
+            self._pending.pop(key_id).set_result(None)
         granted, ends = int(granted), now + int(left_ms) / 1000
         if len(self._local) >= LOCAL_ENTRIES_MAX:
             self._local.clear()

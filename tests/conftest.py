@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -116,12 +117,32 @@ def redis_url() -> Iterator[str]:
 
 
 @contextmanager
-def api_process(redis_url: str, logdir: Path, env: dict[str, str], workers: int = 1) -> Iterator[str]:
-    """A real API process (``ckptconv serve``) on a free loopback port; yields its base URL.
+def api_process(
+    redis_url: str,
+    logdir: Path,
+    redis_prefix: str,
+    keys: dict[str, list[str]],
+    env: dict[str, str] | None = None,
+    workers: int = 1,
+) -> Iterator[str]:
+    """A real API process (``ckptconv serve``, development mode) on a free loopback port; yields its URL.
 
-    ``env`` holds its ``CKPTCONV_*`` settings (at least a Redis prefix of the test's own); its log is
-    ``logdir/api.log``.
+    ``keys`` maps each API key it accepts to the key's URI prefixes; ``env`` adds ``CKPTCONV_*``
+    settings. Its log is ``logdir/api.log``.
     """
+    from ckptconv.core.auth import hash_key
+
+    entries = [
+        f"  - name: k{i}\n    sha256: {hash_key(k)}\n    prefixes: {json.dumps(p)}\n"
+        for i, (k, p) in enumerate(keys.items())
+    ]
+    (logdir / "keys.yaml").write_text("keys:\n" + "".join(entries))
+    env = {
+        "CKPTCONV_ENVIRONMENT": "development",
+        "CKPTCONV_REDIS_PREFIX": redis_prefix,
+        "CKPTCONV_API_KEYS_FILE": str(logdir / "keys.yaml"),
+        **(env or {}),
+    }
     port = free_port()
     log = open(logdir / "api.log", "ab")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(

@@ -5,6 +5,7 @@ on the Redis connections they hold, and server errors that show a correlation id
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -24,7 +25,7 @@ from conftest import api_process, free_port  # the suite's conftest, as pytest l
 from fastapi.testclient import TestClient
 from test_api import assert_problem, drop_prefix, job_body
 
-from ckptconv.core.auth import create_key, hash_key
+from ckptconv.core.auth import create_key
 from ckptconv.core.errors import StorageError
 from ckptconv.core.jobstore import RedisKeys
 from ckptconv.core.settings import Settings
@@ -121,21 +122,15 @@ def test_server_errors_show_a_correlation_id_and_log_the_details(caplog: pytest.
 def served(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
     """One API process with two keys (a, b), small stream caps and a 1 MiB body limit."""
     keys = {name: f"ckc_{name}-{uuid.uuid4().hex}" for name in ("a", "b")}
-    lines = [
-        f"  - name: {n}\n    sha256: {hash_key(k)}\n    prefixes: ['s3://bucket/team-{n}/']\n" for n, k in keys.items()
-    ]
-    (tmp_path / "keys.yaml").write_text("keys:\n" + "".join(lines))
     env = {
-        "CKPTCONV_ENVIRONMENT": "development",
-        "CKPTCONV_REDIS_PREFIX": prefix,
-        "CKPTCONV_API_KEYS_FILE": str(tmp_path / "keys.yaml"),
         "CKPTCONV_MAX_BODY_BYTES": str(MIB),
         "CKPTCONV_MAX_STREAMS_PER_KEY": "2",
         "CKPTCONV_REDIS_BLOCKING_CONNECTIONS": "3",
         "CKPTCONV_REDIS_POOL_TIMEOUT_SECONDS": "1",
         "CKPTCONV_PLAN_TIMEOUT_SECONDS": "5",
     }
-    with api_process(redis_url, tmp_path, env) as url:
+    prefixes = {k: [f"s3://bucket/team-{n}/"] for n, k in keys.items()}
+    with api_process(redis_url, tmp_path, prefix, prefixes, env) as url:
         yield SimpleNamespace(url=url, **{n: {"Authorization": f"Bearer {k}"} for n, k in keys.items()})
 
 
@@ -228,3 +223,21 @@ def test_event_streams_are_capped_per_key_and_per_process(served: SimpleNamespac
                 break
         time.sleep(0.1)
     assert again.status_code == 200
+
+
+def test_concurrent_requests_within_the_limit_all_pass(redis_url: str, prefix: str, tmp_path: Path) -> None:
+    # 100 requests at once, well within 2,000 per second: the process asks Redis for one share of
+    # the budget for all of them (not one share each, which would exhaust the window and refuse).
+    key = f"ckc_many-{uuid.uuid4().hex}"
+
+    async def burst(url: str) -> list[int]:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as c:
+            auth = {"Authorization": f"Bearer {key}"}
+            answers = await asyncio.gather(*(c.get("/v1/jobs", headers=auth) for _ in range(100)))
+        return [a.status_code for a in answers]
+
+    with api_process(
+        redis_url, tmp_path, prefix, {key: ["s3://b/"]}, {"CKPTCONV_RATE_LIMIT_PER_SECOND": "2000"}
+    ) as url:
+        assert set(asyncio.run(burst(url))) == {200}

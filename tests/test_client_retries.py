@@ -104,18 +104,10 @@ class FaultyProxy:
 def service(redis_url: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
     prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
     key = f"ckc_retry-{uuid.uuid4().hex}"
-    (tmp_path / "keys.yaml").write_text(
-        f"keys:\n  - name: retry\n    sha256: {hash_key(key)}\n    prefixes: ['s3://bucket/team/']\n"
-    )
-    env = {
-        "CKPTCONV_ENVIRONMENT": "development",
-        "CKPTCONV_REDIS_PREFIX": prefix,
-        "CKPTCONV_API_KEYS_FILE": str(tmp_path / "keys.yaml"),
-        "CKPTCONV_RATE_LIMIT_PER_SECOND": "10",
-    }
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        with api_process(redis_url, tmp_path, env) as url:
+        limit = {"CKPTCONV_RATE_LIMIT_PER_SECOND": "10"}
+        with api_process(redis_url, tmp_path, prefix, {key: ["s3://bucket/team/"]}, limit) as url:
             proxy = FaultyProxy(url)
             try:
                 yield SimpleNamespace(

@@ -109,9 +109,7 @@ def test_conversions_succeed_through_faults_at_5_percent(direct, s3_bucket, prox
     assert leftovers(direct, s3_bucket) == {"staging": [], "uploads": []}
 
 
-def test_faults_past_the_budget_fail_as_storage_errors_and_leave_nothing(
-    direct, s3_bucket, proxy_factory, monkeypatch
-):
+def test_faults_past_the_budget_fail_as_storage_errors_and_leave_nothing(direct, s3_bucket, proxy_factory, monkeypatch):
     direct.write_bytes(f"s3://{s3_bucket}/src/model.safetensors", save(tensors()))
     direct.write_bytes(f"s3://{s3_bucket}/base/model.safetensors", save(tensors(4)))
     proxy = proxy_factory(rate=0.35, stall_s=1.5, seed=11)
