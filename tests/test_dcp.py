@@ -143,7 +143,9 @@ def test_dcp_of_a_llama_through_the_model_layouts(tmp_path: Path, capsys: pytest
     # The model conversion also reads the DCP directly (config named explicitly).
     direct = ["--config", str(tmp_path / "hf" / "config.json")]
     assert main(["convert-model", str(tmp_path / "dcp"), str(tmp_path / "cs_direct"), *cs, *direct]) == 0
-    assert diff_checkpoints(json.loads(capsys.readouterr().out)["target"], reference).identical
+    target = json.loads(capsys.readouterr().out)["target"]
+    assert target == str(tmp_path / "cs_direct" / "dcp_to_cs-2.9.mdl")  # named after the checkpoint directory
+    assert diff_checkpoints(target, reference).identical
 
 
 class _Exec:

@@ -111,6 +111,9 @@ def _source_base(source: Any) -> str:
         return "pytorch_model"  # what the Model Zoo names a checkpoint packed from component directories
     uri = source.uri.rstrip("/")
     name = posixpath.basename(uri)
+    if source.format == "dcp":
+        # A distributed checkpoint is its directory (step-1000/), also when named by its .metadata.
+        return posixpath.basename(posixpath.dirname(uri)) if name == ".metadata" else name
     if "." in name:
         return strip_extensions(name)
     files = [f for f in source.files() if f.rstrip("/") != uri]
