@@ -197,6 +197,7 @@ function progressCell(job) {
   const done = complete ? total : Math.min(p.bytes_done, total);
   const tensors = complete ? p.tensors_total : p.tensors_done;
   const bar = el("progress", { max: total > 0 ? total : 1, value: total > 0 ? done : Number(complete) });
+  bar.setAttribute("aria-label", `${job.id} progress`);
   const facts = [p.stage, `${bytes(done)} / ${bytes(total)}`, `${tensors}/${p.tensors_total} tensors`];
   if (!job.done) {
     if (p.throughput_bytes_per_s) facts.push(`${bytes(p.throughput_bytes_per_s)}/s`);
