@@ -237,9 +237,12 @@ def test_production_mode_asks_for_the_key_and_keeps_it_out_of_urls_and_local_sto
     page.reload()  # the tab keeps its key
     page.wait_for_selector(f'#jobs tr[data-job="{job["id"]}"]')
 
+    row(page, job["id"]).locator("button.link").click()
+    page.locator("#detail .error-code").wait_for()
     page.click("#key-forget")
     page.wait_for_selector("#notice:not([hidden])")
     assert page.evaluate("sessionStorage.getItem('ckptconv.apiKey')") is None
+    assert page.locator("#jobs tbody tr").count() == 0 and page.locator("#detail").is_hidden()
 
 
 # --- 10,000 jobs ---------------------------------------------------------------------------------

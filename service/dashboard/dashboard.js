@@ -144,6 +144,8 @@ function setupKey() {
     sessionStorage.removeItem(KEY_STORE);
     keyStatus();
     stopStreams();
+    closeDetail(); // what the key could see is not shown without it
+    $("jobs").tBodies[0].replaceChildren();
     reloadAll();
   });
   keyStatus();
@@ -480,13 +482,7 @@ function renderDetail(job) {
   const box = $("detail");
   box.hidden = false;
   const close = el("button", { type: "button", class: "close", textContent: "Close" });
-  close.addEventListener("click", () => {
-    view.detail = null;
-    view.detailJob = null;
-    box.hidden = true;
-    box.replaceChildren();
-    syncStreams();
-  });
+  close.addEventListener("click", closeDetail);
   const header = el("div", { class: "detail-head" }, el("h2", { textContent: job.id }), close);
   if (!job.done) {
     const cancel = el("button", { type: "button", class: "cancel", textContent: "Cancel job" });
@@ -548,6 +544,14 @@ function renderDetail(job) {
   if (verdict) parts.push(verdict);
   parts.push(el("details", {}, el("summary", { textContent: "JSON" }), el("pre", { textContent: JSON.stringify(job, null, 2) })));
   box.replaceChildren(...parts);
+}
+
+function closeDetail() {
+  view.detail = null;
+  view.detailJob = null;
+  $("detail").hidden = true;
+  $("detail").replaceChildren();
+  syncStreams();
 }
 
 async function cancelJob(id) {
