@@ -22,7 +22,7 @@ from ckptconv.core.settings import Settings, get_settings
 from service import problems
 from service.deps import BEARER_SCHEME, AppState
 from service.edges import Edges
-from service.limits import RateLimiter, StreamSlots
+from service.limits import BoundedPool, RateLimiter, StreamSlots
 from service.queue import TaskMessages
 from service.routes import catalog, dashboard, health, jobs, models, plans
 from service.schemas.common import PROBLEM_JSON, Problem, problem_responses
@@ -76,7 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         import redis.asyncio
 
         def client(max_connections: int) -> Any:
-            pool = redis.asyncio.BlockingConnectionPool.from_url(
+            pool = BoundedPool.from_url(
                 settings.redis_url,
                 decode_responses=True,
                 socket_connect_timeout=5,

@@ -241,3 +241,31 @@ def test_concurrent_requests_within_the_limit_all_pass(redis_url: str, prefix: s
         redis_url, tmp_path, prefix, {key: ["s3://b/"]}, {"CKPTCONV_RATE_LIMIT_PER_SECOND": "2000"}
     ) as url:
         assert set(asyncio.run(burst(url))) == {200}
+
+
+def test_a_bounded_pool_makes_commands_wait_for_a_connection_then_gives_up(redis_url: str, prefix: str) -> None:
+    import redis.asyncio
+    import redis.exceptions
+
+    from service.limits import BoundedPool
+
+    async def scenario() -> None:
+        pool = BoundedPool.from_url(redis_url, decode_responses=True, max_connections=2, timeout=1)
+        client = redis.asyncio.Redis.from_pool(pool)
+        try:
+            # 20 commands at once share 2 connections: each waits for one, none fails.
+            answers = await asyncio.gather(*(client.incr(prefix + "n") for _ in range(20)))
+            assert sorted(answers) == list(range(1, 21))
+            assert len(pool._available_connections) + len(pool._in_use_connections) == 2
+            # Both connections held by blocking waits: the next command gives up after the timeout.
+            held = [asyncio.create_task(client.blpop([prefix + "never"], timeout=5)) for _ in range(2)]
+            while len(pool._in_use_connections) < 2:
+                await asyncio.sleep(0.01)
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await client.get(prefix + "n")
+            for task in held:
+                task.cancel()
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
