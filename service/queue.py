@@ -26,8 +26,12 @@ from celery import Celery
 
 from ckptconv.core.jobstore import RedisKeys
 
-# A hard time limit lets a stuck task be killed a little after its soft limit asked it to stop.
-HARD_LIMIT_GRACE_SECONDS = 60
+# Time limits, in order: the job's own deadline (max_runtime_seconds from its first start, checked
+# cooperatively between tensors: see worker/tasks.py) fires first; Celery's soft limit (an exception
+# raised wherever the task is, even mid-publication, which then removes what it placed) this much
+# later; the hard limit (the process is killed; the job is taken over and finished or failed) as
+# much again after that. Celery counts from the start of each delivery, never earlier than the job.
+TIME_LIMIT_GRACE_SECONDS = 60
 
 
 class TaskMessages:
@@ -87,8 +91,8 @@ class TaskMessages:
             [job_id],
             queue=queue,
             delivery_tag=job_id,
-            soft_time_limit=max_runtime_seconds,
-            time_limit=max_runtime_seconds + HARD_LIMIT_GRACE_SECONDS,
+            soft_time_limit=max_runtime_seconds + TIME_LIMIT_GRACE_SECONDS,
+            time_limit=max_runtime_seconds + 2 * TIME_LIMIT_GRACE_SECONDS,
         )
 
     async def push(self, client: Any, queue: str, message: str) -> None:

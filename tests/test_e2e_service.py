@@ -38,6 +38,7 @@ FAST = {
     # Short beats so that a lost worker is noticed in seconds, not minutes.
     "CKPTCONV_HEARTBEAT_SECONDS": "0.5",
     "CKPTCONV_VISIBILITY_TIMEOUT_SECONDS": "2",
+    "CKPTCONV_REAPER_INTERVAL_SECONDS": "1",
     "CKPTCONV_WEBHOOK_BACKOFF_SECONDS": "0.2",
     "CKPTCONV_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true",
 }

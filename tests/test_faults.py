@@ -13,16 +13,29 @@ a stale attempt changes nothing; a deadline leaves nothing at the target without
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_e2e_service import Service
+import redis
+import test_e2e_service as e2e
+from test_e2e_service import Service, check_outputs, listing, make_checkpoint, wait_for
 
 from ckptconv.core.errors import TargetExists
 from ckptconv.engine.convert import convert
 from ckptconv.storage import open_storage
+
+# The e2e module's fixtures: a bucket on the session's S3 server; jobs run in this process.
+bucket = e2e.bucket
+in_process = e2e.in_process
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +141,234 @@ def test_an_existing_target_fails_the_job_with_a_typed_error_and_keeps_its_bytes
         convert(str(src), str(target), to="cs-h5", job_id="job-b")
     assert target.read_bytes() == b"precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors", "out.mdl"]
+
+
+# --- leases, fencing, duplicate delivery, the reaper ---------------------------------------------
+
+
+def _progress(store, job_id: str) -> int:
+    return json.loads(store.r.hget(store.keys.job(job_id), "progress") or "{}").get("tensors_done") or 0
+
+
+def _run_in_thread(run) -> threading.Thread:
+    t = threading.Thread(target=run.execute)
+    t.start()
+    return t
+
+
+def test_a_lapsed_lease_nobody_else_took_is_taken_again(in_process: SimpleNamespace, bucket: str) -> None:
+    make_checkpoint(bucket, "team/lapse/model.safetensors", 150)
+    job_id = in_process.submit("team/lapse/model.safetensors", "team/lapse-out/model.mdl")
+    store = in_process.store
+    run = in_process.tasks.JobRun(store, in_process.settings, job_id)
+    t = _run_in_thread(run)
+    wait_for(lambda: _progress(store, job_id) >= 5)
+    store.r.delete(store.keys.lease(job_id))  # as if Redis had been away longer than the lease
+    t.join()
+    rec = store.get(job_id)
+    assert not run.lease_lost.is_set()
+    assert rec["state"] == "succeeded" and rec["attempts"] == "1", rec.get("error")
+    assert listing(bucket, "team/lapse-out/model.mdl")
+
+
+def test_a_stale_attempt_records_nothing_and_publishes_nothing(in_process: SimpleNamespace, bucket: str) -> None:
+    make_checkpoint(bucket, "team/stale/model.safetensors", 150)
+    job_id = in_process.submit("team/stale/model.safetensors", "team/stale-out/model.mdl")
+    store = in_process.store
+    run = in_process.tasks.JobRun(store, in_process.settings, job_id)
+    t = _run_in_thread(run)
+    wait_for(lambda: _progress(store, job_id) >= 5)
+    # Another worker took over: it started attempt 2 and holds the lease.
+    store.r.hset(store.keys.job(job_id), "attempts", "2")
+    store.r.set(store.keys.lease(job_id), "the-new-owner", px=60_000)
+    t.join()
+    assert run.lease_lost.is_set()
+    # The stale attempt cannot record an outcome over the new owner's run, nor report progress.
+    run._finish("failed", {"error": {"code": "internal_error"}})
+    assert not store.transition(job_id, ("running",), "failed", attempt=1)[0]
+    before = store.r.hget(store.keys.job(job_id), "progress")
+    run._progress({"stage": "converting", "tensors_done": 999, "bytes_done": 0, "bytes_total": 0})
+    assert store.r.hget(store.keys.job(job_id), "progress") == before
+    rec = store.get(job_id)
+    assert rec["state"] == "running" and rec["attempts"] == "2"
+    assert not listing(bucket, "team/stale-out") and not listing(bucket, "team/.ckptconv-staging")
+    # The current attempt can.
+    assert store.transition(job_id, ("running",), "failed", {"error": {"code": "x"}}, attempt=2)[0]
+    assert store.r.get(store.keys.target(rec_target(rec))) is None  # reservation released
+
+
+def rec_target(rec: dict[str, str]) -> str:
+    return json.loads(rec["request"])["target"]["uri"]
+
+
+def test_the_reaper_requeues_a_job_with_no_owner_and_no_message(in_process: SimpleNamespace, bucket: str) -> None:
+    from worker.reaper import Reaper
+
+    make_checkpoint(bucket, "team/orphan/model.safetensors", 3)
+    job_id = in_process.submit("team/orphan/model.safetensors", "team/orphan-out/model.mdl")
+    store, settings = in_process.store, in_process.settings
+    settings = settings.model_copy(update={"visibility_timeout_seconds": 1.0, "reaper_interval_seconds": 0.2})
+    queue = store.keys.queue(settings.jobs_queue)
+    # What a lost message leaves: attempt 1 ran, its worker died, its message was acknowledged.
+    assert store.start_attempt(job_id, "dead-worker", 0.05, settings.max_attempts)[0] == "started"
+    store.r.delete(queue)
+    reaper = Reaper(store, settings)
+    assert wait_for(lambda: reaper.run_once()["requeued"], timeout=30) == [job_id]
+    assert store.r.llen(queue) == 1
+    assert reaper.run_once()["requeued"] == []  # its message is queued now: nothing to do
+
+    # The requeued message runs the job to the end (attempt 2).
+    in_process.tasks.JobRun(store, settings, job_id).execute()
+    rec = store.get(job_id)
+    assert rec["state"] == "succeeded" and rec["attempts"] == "2", rec.get("error")
+
+
+def test_past_the_attempt_budget_the_reaped_job_fails_with_worker_lost(
+    in_process: SimpleNamespace, bucket: str
+) -> None:
+    from worker.reaper import Reaper
+
+    job_id = in_process.submit("team/budget/model.safetensors", "team/budget-out/model.mdl")
+    store = in_process.store
+    settings = in_process.settings.model_copy(
+        update={"visibility_timeout_seconds": 1.0, "reaper_interval_seconds": 0.2, "max_attempts": 1}
+    )
+    store.r.delete(store.keys.queue(settings.jobs_queue))
+    assert store.start_attempt(job_id, "dead-worker", 0.05, 1)[0] == "started"
+    reaper = Reaper(store, settings)
+    wait_for(lambda: reaper.run_once()["requeued"], timeout=30)
+    in_process.tasks.JobRun(store, settings, job_id).execute()
+    rec = store.get(job_id)
+    assert rec["state"] == "failed" and json.loads(rec["error"])["code"] == "worker_lost"
+
+
+# --- real workers: duplicate delivery, Redis restarted, time limits ------------------------------
+
+
+@pytest.fixture(scope="module")
+def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = Service(redis_url, bucket, tmp_path_factory.mktemp("faults"))
+    try:
+        svc.start_worker()
+        svc.start_worker()
+        yield svc
+    finally:
+        svc.stop()
+
+
+def _worker_logs(svc: Service) -> str:
+    return "".join(Path(p.log_path).read_text() for p in svc.procs[1:])
+
+
+def test_one_message_delivered_to_two_workers_runs_the_job_once(service: Service) -> None:
+    expected = make_checkpoint(service.bucket, "team/dup/model.safetensors", 150)
+    with service.client() as c:
+        job = c.submit(
+            f"s3://{service.bucket}/team/dup/model.safetensors",
+            f"s3://{service.bucket}/team/dup-out/model.mdl",
+            to="cs-h5",
+        )
+        job_key = f"{service.prefix}job:{job['id']}"
+        wait_for(lambda: (c.get(job["id"]).get("progress") or {}).get("tensors_done"), timeout=120)
+        # The broker hands the same message out a second time while the first worker runs it.
+        service.redis.lpush(f"{service.prefix}q:jobs", service.redis.hget(job_key, "message"))
+        job = c.wait(job["id"], timeout=180)
+    assert job["state"] == "succeeded" and job["attempts"] == 1, job.get("error")
+    check_outputs(job, service.bucket, expected)
+    wait_for(lambda: "dropping this duplicate delivery" in _worker_logs(service), timeout=30)
+    assert not listing(service.bucket, "team/.ckptconv-staging")
+
+
+def test_the_job_deadline_fires_first_and_leaves_nothing_at_the_target(service: Service) -> None:
+    make_checkpoint(service.bucket, "team/slow/model.safetensors", 600)
+    with service.client() as c:
+        job = c.submit(
+            f"s3://{service.bucket}/team/slow/model.safetensors",
+            f"s3://{service.bucket}/team/slow-out/model.mdl",
+            to="cs-h5",
+            max_runtime_seconds=2,
+        )
+        job = c.wait(job["id"], timeout=180)
+    assert job["state"] == "failed" and job["error"]["code"] == "time_limit_exceeded", job
+    left = listing(service.bucket, "team/slow-out")
+    assert set(left) <= {"team/slow-out/model.mdl.ckptconv-job.json"}, left
+    assert not listing(service.bucket, "team/.ckptconv-staging")
+
+
+@pytest.fixture
+def aof_redis(tmp_path: Path) -> Iterator[SimpleNamespace]:
+    """A private redis-server with an append-only file, which the test may restart."""
+    from conftest import _wait_port, free_port
+
+    port = free_port()
+    data = tmp_path / "redis"
+    data.mkdir()
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
+    argv += ["--appendonly", "yes", "--save", ""]
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        _wait_port(port)
+        return proc
+
+    box = SimpleNamespace(url=f"redis://127.0.0.1:{port}/0", proc=start())
+
+    def restart() -> None:
+        box.proc.send_signal(signal.SIGTERM)  # a clean shutdown: the append-only file is synced
+        box.proc.wait(timeout=30)
+        box.proc = start()
+
+    box.restart = restart
+    try:
+        yield box
+    finally:
+        box.proc.terminate()
+        box.proc.wait(timeout=30)
+
+
+def test_redis_restarted_mid_job_with_aof_loses_nothing(
+    aof_redis: SimpleNamespace, bucket: str, tmp_path: Path
+) -> None:
+    svc = Service(aof_redis.url, bucket, tmp_path)
+    try:
+        expected = make_checkpoint(bucket, "team/restart/model.safetensors", 200)
+        svc.start_worker()
+        with svc.client() as c:
+            job = c.submit(
+                f"s3://{bucket}/team/restart/model.safetensors", f"s3://{bucket}/team/restart-out/model.mdl", to="cs-h5"
+            )
+            queued = c.submit(
+                f"s3://{bucket}/team/restart/model.safetensors", f"s3://{bucket}/team/restart-q/model.mdl", to="cs-h5"
+            )
+            wait_for(lambda: ((c.get(job["id"]).get("progress") or {}).get("tensors_done") or 0) >= 5, timeout=120)
+            aof_redis.restart()
+            svc.redis = redis.Redis.from_url(aof_redis.url, decode_responses=True)
+            wait_for(lambda: httpx.get(svc.url + "/readyz").status_code == 200, timeout=60)
+            done = [c.wait(j["id"], timeout=300) for j in (job, queued)]
+        for j in done:
+            assert j["state"] == "succeeded", j.get("error")
+            check_outputs(j, bucket, expected)
+        assert not listing(bucket, "team/.ckptconv-staging")
+    finally:
+        svc.stop()
+
+
+def test_sigkill_while_verifying_is_taken_over(redis_url: str, bucket: str, tmp_path: Path) -> None:
+    svc = Service(redis_url, bucket, tmp_path)
+    try:
+        expected = make_checkpoint(bucket, "team/kv/model.safetensors", 300)
+        first = svc.start_worker()
+        with svc.client() as c:
+            job = c.submit(
+                f"s3://{bucket}/team/kv/model.safetensors", f"s3://{bucket}/team/kv-out/model.mdl", to="cs-h5"
+            )
+            wait_for(lambda: (c.get(job["id"]).get("progress") or {}).get("stage") == "verifying", timeout=180)
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+            svc.start_worker()
+            job = c.wait(job["id"], timeout=300)
+        assert job["state"] == "succeeded" and job["attempts"] == 2, job.get("error")
+        check_outputs(job, bucket, expected)
+        assert not listing(bucket, "team/.ckptconv-staging")
+    finally:
+        svc.stop()

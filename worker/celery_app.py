@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init, worker_process_init
+from celery.signals import worker_init, worker_process_init, worker_ready
 from kombu import Exchange, Queue
 
 from ckptconv.core.settings import Settings, get_settings
@@ -61,7 +61,16 @@ def make_celery(settings: Settings | None = None) -> Celery:
     worker_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator")
     worker_process_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator-child")
     worker_init.connect(_sweep_scratch, weak=False, dispatch_uid="ckptconv-scratch")
+    worker_ready.connect(_start_reaper, weak=False, dispatch_uid="ckptconv-reaper")
     return app
+
+
+def _start_reaper(**_: Any) -> None:
+    """Each worker's main process runs the reaper (see worker/reaper.py) beside its consumer."""
+    from worker.reaper import Reaper
+    from worker.tasks import settings, store
+
+    Reaper(store(), settings()).start()
 
 
 def _bound_allocator(**_: Any) -> None:

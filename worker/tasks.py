@@ -8,37 +8,50 @@ Messages are acknowledged late (when the task returns) and the broker re-deliver
 was not acknowledged within ``visibility_timeout_seconds``. A conversion can run for hours, far
 longer than any visibility timeout short enough to recover quickly from a dead worker, so:
 
-- **Lease.** Before running, a worker takes ``{p}lease:{job}`` (``SET NX PX``, value = its token)
-  for ``3 x heartbeat_seconds``.
+- **Attempt and lease.** Before running, a worker starts an attempt: one script takes
+  ``{p}lease:{job}`` (value = its token, for ``3 x heartbeat_seconds``) and increments the job's
+  ``attempts``, so each attempt number has exactly one holder. Every later change the attempt makes
+  is fenced by that number (``ckptconv.core.fencing``): state transitions and progress compare it in
+  Redis, staging paths contain it, and publication checks it before each file and the manifest.
 - **Heartbeat.** While the job runs, a thread renews the lease every ``heartbeat_seconds`` *and*
   moves the message's entry in kombu's unacked index to "now" (the message's ``delivery_tag`` is
   the job id, set by the API). The broker therefore never sees a running job's message as
-  abandoned and does not re-deliver it. The same beat reads the job's cancel flag.
+  abandoned and does not re-deliver it. The same beat reads the job's cancel flag. A lease that
+  lapsed (Redis slow or away for longer than the lease) is taken again when nobody else holds it
+  and the job is still in this attempt.
 - **Worker lost** (``kill -9``, a lost machine): the beats stop; ``visibility_timeout`` later the
-  broker re-delivers the message, the lease has expired, and the new worker takes over: it runs the
-  handler again with the same job id. The engine is idempotent per job id (a published manifest with
-  this id is returned as is; a staged, verified output is published; otherwise staging starts
-  afresh), so the job ends ``succeeded`` with exactly one set of outputs, and nothing partial ever
-  appears at the target (outputs are staged and published with the manifest last).
-- **Duplicate delivery while the holder lives** (should not happen, but brokers are at-least-once):
-  the second worker finds a fresh lease held by someone else and does not run the job; it waits,
-  keeping its own delivery alive, until the job ends (then it acknowledges and drops the message)
-  or the holder's lease expires (then it takes over as above).
-- **Lease lost while running** (the process stalled longer than the lease and another worker took
-  over): the next beat notices, the handler is told to stop (``cancelled()`` returns True), and this
-  worker leaves the record alone: the new holder owns it.
+  broker re-delivers the message, the lease has expired, and the new worker starts the next
+  attempt: it runs the handler again with the same job id. The engine is idempotent per job id (a
+  published manifest with this id is returned as is; a staged, verified output of any attempt is
+  published; otherwise staging starts afresh), so the job ends ``succeeded`` with exactly one set
+  of outputs, and nothing partial ever appears at the target (outputs are staged and published
+  create-only with the manifest last). After ``max_attempts`` the job fails with ``worker_lost``.
+- **Duplicate delivery while the holder lives** (brokers are at-least-once): the second worker
+  finds a live lease held by someone else, does not run the job, and drops its copy.
+- **Lease lost while running** (the process stalled, another worker took over): the next beat or
+  fence check notices, the handler is told to stop (``cancelled()`` returns True, publication
+  raises ``LeaseLost``), and this worker records nothing: the new attempt owns the job.
+- **Redis errors** (an infrastructure failure, not the job's): the message is put back at the head
+  of its queue after a backoff (``Reject(requeue=True)``), never acknowledged as done; if even that
+  fails the broker restores it after the visibility timeout.
+- **Nothing else covers it**: the reaper (``worker/reaper.py``) queues again any job that is not
+  final yet has no lease and no message.
 
 Per-stage tasks were the alternative (plan, convert, verify, publish as separate messages); they
 do not help here because the long stage (converting) is one stream that cannot be cut into
 short-lived messages without resumable sinks.
 
 Time limits: ``max_runtime_seconds`` counts from the job's first start. The handler's
-``cancelled()`` turns true at that deadline (this works in every pool); with the prefork pool the
-message also carries Celery soft/hard limits as a backstop for a handler stuck in I/O.
+``cancelled()`` turns true at that deadline (this works in every pool) and the job fails with
+``time_limit_exceeded`` after removing its staging; the deadline is not consulted during
+publication, which is short and either completes (manifest last) or removes what it placed. With
+the prefork pool the message also carries Celery soft and hard limits, later by a grace period
+(``service/queue.py``), as a backstop for a handler stuck in I/O.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,11 +63,20 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Reject, SoftTimeLimitExceeded
+from redis.exceptions import RedisError
 
 from ckptconv import __version__, jobs
 from ckptconv.core import webhooks
-from ckptconv.core.errors import Cancelled, CkptconvError, TimeLimitExceeded, WebhookRefused, WorkerLost
+from ckptconv.core.errors import (
+    Cancelled,
+    CkptconvError,
+    LeaseLost,
+    TimeLimitExceeded,
+    WebhookRefused,
+    WorkerLost,
+)
+from ckptconv.core.fencing import Attempt, attempt_scope
 from ckptconv.core.jobstore import TERMINAL, JobStore, RedisKeys, encode_field, iso, job_resource, now_ms
 from ckptconv.core.webhooks import sign
 from ckptconv.engine.convert import inspect as inspect_checkpoint
@@ -65,6 +87,8 @@ log = logging.getLogger("ckptconv.worker")
 CANCEL_POLL_SECONDS = 0.5  # how often cancelled() reads the flag itself, between heartbeats
 REPLY_TTL_SECONDS = 60
 MIRROR_SUFFIX = ".ckptconv-job.json"
+INFRA_BACKOFF_MAX_SECONDS = 30.0
+_infra_failures = 0  # consecutive Redis failures of this process's jobs: their requeue backs off
 
 _store: JobStore | None = None
 _store_pid: int | None = None
@@ -105,6 +129,7 @@ class JobRun:
         self.settings = settings
         self.job_id = job_id
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.attempt = 0
         self.cancel_requested = threading.Event()
         self.lease_lost = threading.Event()
         self.stopped = threading.Event()
@@ -114,43 +139,65 @@ class JobRun:
     # -- lifecycle
 
     def execute(self) -> None:
+        """Run the job, or requeue its message when Redis fails us (never ack work left undone)."""
+        global _infra_failures
+        try:
+            self._execute()
+        except RedisError as e:
+            _infra_failures += 1
+            backoff = min(INFRA_BACKOFF_MAX_SECONDS, 0.5 * 2 ** min(_infra_failures, 8)) * (0.5 + random.random())
+            log.warning("job %s: Redis failed (%s); message requeued after %.1f s", self.job_id, e, backoff)
+            self.stopped.set()
+            with contextlib.suppress(Exception):
+                self.store.release_lease(self.job_id, self.token)
+            time.sleep(backoff)
+            # Back at the head of its queue; if Redis cannot take even that, the message stays
+            # unacknowledged and the broker restores it after the visibility timeout.
+            raise Reject(f"Redis failed: {type(e).__name__}", requeue=True) from None
+        _infra_failures = 0
+
+    def _execute(self) -> None:
         rec = self.store.get(self.job_id)
         if rec is None:
             log.warning("job %s has no record (expired or unknown): dropping its message", self.job_id)
             return
         if rec["state"] in TERMINAL:
             return  # e.g. cancelled while queued, or a late duplicate of a finished job
-        if not self._claim(rec):
+        outcome = self.store.start_attempt(
+            self.job_id, self.token, self.settings.lease_seconds, self.settings.max_attempts
+        )
+        if outcome[0] == "held":
+            # A duplicate delivery while the holder lives: it runs the job. If it dies, its lease
+            # lapses and the reaper queues the job again; this message is not needed for that.
+            log.info("job %s is running on %s: dropping this duplicate delivery", self.job_id, outcome[1])
             return
+        if outcome[0] == "exhausted":
+            # Each attempt ended with its worker lost (killed, out of memory): do not loop forever.
+            self.attempt = int(outcome[1])
+            self._fail_for_good(rec, WorkerLost(f"the job's worker was lost {outcome[1]} times; not trying again"))
+            return
+        if outcome[0] != "started":
+            return  # final or gone meanwhile
+        self.attempt = int(outcome[1])
         try:
-            self._run_claimed()
+            with attempt_scope(Attempt(self.job_id, self.attempt, self._fence)):
+                self._run_attempt(self.store.get(self.job_id) or rec, previous=outcome[2])
         finally:
             self.stopped.set()
             self.store.release_lease(self.job_id, self.token)
 
-    def _claim(self, rec: dict[str, str]) -> bool:
-        """Take the job's lease; while another live worker holds it, wait (see module docstring)."""
+    def _fail_for_good(self, rec: dict[str, str], error: CkptconvError) -> None:
         request = json.loads(rec["request"])
-        give_up = time.monotonic() + request["max_runtime_seconds"] + self.settings.visibility_timeout_seconds
-        while not self.store.acquire_lease(self.job_id, self.token, self.settings.lease_seconds):
-            holder = self.store.lease_holder(self.job_id)
-            log.info("job %s is running on %s: waiting in case that worker is lost", self.job_id, holder)
-            if time.monotonic() > give_up:
-                return False
-            self.store.touch_delivery(rec.get("delivery_tag") or self.job_id)
-            time.sleep(self.settings.heartbeat_seconds)
-            rec = self.store.get(self.job_id) or {"state": "succeeded"}
-            if rec["state"] in TERMINAL:
-                return False
-        return True
+        with contextlib.suppress(Exception):
+            ctx = jobs.context_from_request({"kind": rec["kind"], **request}, self.job_id)
+            self._cleanup(jobs.handler(ctx.kind), ctx)
+        self._finish("failed", {"error": error.to_problem()})
 
-    def _run_claimed(self) -> None:
-        rec = self.store.get(self.job_id)
-        if rec is None or rec["state"] in TERMINAL:
-            return
+    def _run_attempt(self, rec: dict[str, str], previous: str) -> None:
         request = json.loads(rec["request"])
         started = int(rec.get("started_ms") or now_ms())
         self.deadline = started / 1000 + request["max_runtime_seconds"]
+        limit = TimeLimitExceeded(f"the job ran past max_runtime_seconds={request['max_runtime_seconds']}")
         try:
             ctx = jobs.context_from_request(
                 {"kind": rec["kind"], **request}, self.job_id, progress=self._progress, cancelled=self._cancelled
@@ -160,53 +207,37 @@ class JobRun:
             error = e if isinstance(e, CkptconvError) else CkptconvError(f"cannot run this job: {type(e).__name__}")
             self._finish("failed", {"error": error.to_problem()})
             return
-        if rec["state"] == "cancelling":
+        if previous == "cancelling":
             # Cancel was requested while a worker that is now lost ran the job: finish the cancel.
             self._cleanup(module, ctx)
             self._finish("cancelled", {"error": Cancelled("cancelled by request").to_problem()})
             return
-        attempts = int(rec.get("attempts") or 0)
-        if attempts >= self.settings.max_attempts:
-            # Each attempt ended with its worker lost (killed, out of memory): do not loop forever.
-            lost = WorkerLost(f"the job's worker was lost {attempts} times; not trying again")
-            self._cleanup(module, ctx)
-            self._finish("failed", {"error": lost.to_problem()})
-            return
-        moved, previous = self.store.transition(
-            self.job_id,
-            ("queued", "running"),
-            "running",
-            {
-                "started_ms": str(started),
-                "attempts": str(attempts + 1),
-                "worker": self.token,
-                "heartbeat_ms": str(now_ms()),
-            },
-        )
-        if not moved:
-            if previous == "cancelling":
-                self._finish("cancelled", {"error": Cancelled("cancelled by request").to_problem()})
-            return
         if previous == "running":
-            log.warning("job %s: taking over from a lost worker", self.job_id)
+            log.warning("job %s: taking over from a lost worker (attempt %d)", self.job_id, self.attempt)
         beat = threading.Thread(target=self._beat, args=(rec.get("delivery_tag") or self.job_id,), daemon=True)
         beat.start()
         try:
             if time.time() > self.deadline:
-                raise TimeLimitExceeded(f"the job ran past max_runtime_seconds={request['max_runtime_seconds']}")
+                raise limit
             result = module.run(ctx)
+        except LeaseLost:
+            self.lease_lost.set()
         except Cancelled as e:
             if self.lease_lost.is_set():
-                log.warning("job %s: lease lost to another worker; leaving the job to it", self.job_id)
-                return
-            if self.cancel_requested.is_set() or self._cancel_flag():
+                pass
+            elif self.cancel_requested.is_set() or self._cancel_flag():
                 self._finish("cancelled", {"error": e.to_problem()})
             else:
-                limit = TimeLimitExceeded(f"the job ran past max_runtime_seconds={request['max_runtime_seconds']}")
+                self._cleanup(module, ctx)
                 self._finish("failed", {"error": limit.to_problem()})
         except SoftTimeLimitExceeded:
-            limit = TimeLimitExceeded(f"the job ran past max_runtime_seconds={request['max_runtime_seconds']}")
+            self._cleanup(module, ctx)
             self._finish("failed", {"error": limit.to_problem()})
+        except RedisError:
+            raise  # infrastructure: the message is requeued (see execute)
+        except TimeLimitExceeded as e:
+            self._cleanup(module, ctx)
+            self._finish("failed", {"error": e.to_problem()})
         except CkptconvError as e:
             log.info("job %s failed: %s", self.job_id, e)
             self._finish("failed", {"error": e.to_problem()})
@@ -214,12 +245,19 @@ class JobRun:
             log.exception("job %s failed unexpectedly", self.job_id)
             self._finish("failed", {"error": CkptconvError(f"internal error: {type(e).__name__}: {e}").to_problem()})
         else:
-            if self.lease_lost.is_set():
-                return
-            self._finish("succeeded", {"result": result}, nbytes=int(result.get("bytes") or 0))
+            if not self.lease_lost.is_set():
+                self._finish("succeeded", {"result": result}, nbytes=int(result.get("bytes") or 0))
         finally:
             self.stopped.set()
             beat.join(timeout=5)
+        if self.lease_lost.is_set():
+            log.warning("job %s: attempt %d lost the job to another worker; leaving it", self.job_id, self.attempt)
+
+    def _fence(self) -> None:
+        """Raise LeaseLost unless this attempt still owns the job (called before each publication step)."""
+        if self.lease_lost.is_set() or not self.store.is_current(self.job_id, self.attempt, self.token):
+            self.lease_lost.set()
+            raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} is no longer current")
 
     def _finish(self, state: str, fields: dict[str, Any], nbytes: int = 0) -> None:
         fields = {**fields, "finished_ms": str(now_ms())}
@@ -227,11 +265,14 @@ class JobRun:
         if rec is None or rec["state"] in TERMINAL:
             log.warning("job %s: could not record %s (state is %s)", self.job_id, state, rec and rec["state"])
             return
+        if str(self.attempt) != rec.get("attempts"):
+            log.warning("job %s: attempt %d is stale; not recording %s", self.job_id, self.attempt, state)
+            return
         # The record goes beside the outputs before the state turns terminal, so a client that sees
         # the final state finds the mirror already there.
         self._mirror({**rec, **{k: encode_field(v) for k, v in fields.items()}, "state": state})
         moved, previous = self.store.transition(
-            self.job_id, ("queued", "running", "cancelling"), state, fields, nbytes=nbytes
+            self.job_id, ("queued", "running", "cancelling"), state, fields, nbytes=nbytes, attempt=self.attempt
         )
         if not moved:
             # Someone else finished the job in between: the mirror must tell what they recorded.
@@ -255,7 +296,9 @@ class JobRun:
     def _beat(self, delivery_tag: str) -> None:
         while not self.stopped.wait(self.settings.heartbeat_seconds):
             try:
-                mine, cancel = self.store.heartbeat(self.job_id, self.token, self.settings.lease_seconds, delivery_tag)
+                mine, cancel = self.store.heartbeat(
+                    self.job_id, self.token, self.settings.lease_seconds, delivery_tag, self.attempt
+                )
             except Exception as e:  # Redis unreachable: keep trying; the lease decides who owns the job
                 log.warning("job %s: heartbeat failed: %s", self.job_id, e)
                 continue
@@ -288,7 +331,7 @@ class JobRun:
         if total or "fraction" not in doc:  # a training run reports its own (steps, not bytes)
             doc["fraction"] = round(doc.get("bytes_done", 0) / total, 4) if total else None
         try:
-            self.store.progress(self.job_id, doc)
+            self.store.progress(self.job_id, doc, attempt=self.attempt or None)
         except Exception as e:  # progress is advisory: never fail a conversion over it
             log.warning("job %s: progress not recorded: %s", self.job_id, e)
 

@@ -186,16 +186,61 @@ local function set_of(csv)
 end
 """.replace("__BUCKETS__", ", ".join(str(b) for b in DURATION_BUCKETS)).replace("__MAXLEN__", str(EVENTS_MAXLEN))
 
-# KEYS: job, events. ARGV: prefix, id, allowed (csv), to, now_ms, retention_ms, bytes, field, value, ...
+# Fenced: with a non-empty `attempt`, the change is refused ('fenced') unless it is still the job's
+# current attempt (a worker that lost the job to another attempt changes nothing).
+# KEYS: job, events. ARGV: prefix, id, allowed (csv), to, now_ms, retention_ms, bytes, attempt (or ''),
+#       field, value, ...
 TRANSITION_LUA = (
     _LUA_COMMON
     + """
+if ARGV[8] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[8] then
+  return {'fenced', redis.call('HGET', KEYS[1], 'state') or ''}
+end
 local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 return transition(ARGV[1], KEYS[1], KEYS[2], ARGV[2], set_of(ARGV[3]), ARGV[4], tonumber(ARGV[5]),
                   tonumber(ARGV[6]), tonumber(ARGV[7]), fields)
 """
 )
+
+# A worker starts an attempt: take the lease and count the attempt in one step, so that each
+# attempt number has exactly one holder. Refused while another token holds a live lease.
+# KEYS: lease, job, events. ARGV: prefix, id, token, lease_ms, now_ms, max_attempts
+# Returns {'started', attempt, previous state} | {'held', holder} | {'terminal', state}
+#       | {'exhausted', attempts} | {'missing', ''}
+START_LUA = (
+    _LUA_COMMON
+    + """
+local meta = redis.call('HMGET', KEYS[2], 'state', 'attempts', 'started_ms')
+local state = meta[1]
+if not state then return {'missing', ''} end
+if TERMINAL[state] then return {'terminal', state} end
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[3] then return {'held', holder} end
+local attempts = tonumber(meta[2] or '0')
+if attempts >= tonumber(ARGV[6]) then return {'exhausted', tostring(attempts)} end
+local attempt = tostring(attempts + 1)
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+local fields = {'attempts', attempt, 'worker', ARGV[3], 'heartbeat_ms', ARGV[5]}
+if not meta[3] then fields[#fields + 1] = 'started_ms'; fields[#fields + 1] = ARGV[5] end
+local to = state == 'cancelling' and 'cancelling' or 'running'
+transition(ARGV[1], KEYS[2], KEYS[3], ARGV[2], {queued=true, running=true, cancelling=true}, to,
+           tonumber(ARGV[5]), 0, 0, fields)
+return {'started', attempt, state}
+"""
+)
+
+# The reaper gives a job whose owner is gone its message again (the one the API queued), if it is
+# still in the same attempt, has no live lease and is not final.
+# KEYS: job, lease, queue. ARGV: attempt, now_ms
+REQUEUE_LUA = """
+local meta = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'message')
+if not meta[1] or meta[1] == 'succeeded' or meta[1] == 'failed' or meta[1] == 'cancelled' then return 0 end
+if (meta[2] or '0') ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 1 or not meta[3] then return 0 end
+redis.call('LPUSH', KEYS[3], meta[3])
+redis.call('HSET', KEYS[1], 'requeued_ms', ARGV[2])
+return 1
+"""
 
 # KEYS: job, events. ARGV: prefix, id, owner, now_ms, retention_ms, error_json
 CANCEL_LUA = (
@@ -252,6 +297,8 @@ for k, v in pairs(cjson.decode(ARGV[9])) do
   fields[#fields + 1] = v
 end
 redis.call('HSET', KEYS[1], unpack(fields))
+-- The queued message, kept so that the reaper can queue it again if it is ever lost.
+redis.call('HSET', KEYS[1], 'message', ARGV[8])
 local o = p .. 'jobs:o:' .. owner
 redis.call('ZADD', o, 0, id)
 redis.call('ZADD', o .. ':s:queued', 0, id)
@@ -276,9 +323,19 @@ return {'claimed'}
 
 # Worker heartbeat: renew the lease if still ours, keep the broker from re-delivering the running
 # task's message (kombu's unacked index is scored by delivery time), and read the cancel flag.
-# KEYS: lease, job, unacked_index. ARGV: token, lease_ms, now_ms, delivery_tag, now_s
+# A lease that lapsed (Redis slow or unreachable for longer than the lease) is taken again when
+# nobody else holds it and the job is still in this attempt: the attempt number is the fence.
+# KEYS: lease, job, unacked_index. ARGV: token, lease_ms, now_ms, delivery_tag, now_s, attempt
 HEARTBEAT_LUA = """
-local mine = redis.call('GET', KEYS[1]) == ARGV[1]
+local holder = redis.call('GET', KEYS[1])
+local mine = holder == ARGV[1]
+if not holder and redis.call('HGET', KEYS[2], 'attempts') == ARGV[6] then
+  local state = redis.call('HGET', KEYS[2], 'state')
+  if state == 'running' or state == 'cancelling' then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    mine = true
+  end
+end
 if mine then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('HSET', KEYS[2], 'heartbeat_ms', ARGV[3])
@@ -286,6 +343,14 @@ if mine then
 end
 local cancel = redis.call('HGET', KEYS[2], 'cancel_requested') or ''
 return {mine and 1 or 0, cancel}
+"""
+
+# Progress of the current attempt only. KEYS: job, events. ARGV: attempt, data, now_ms, maxlen
+PROGRESS_LUA = """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'progress', ARGV[2], 'updated_ms', ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'type', 'progress', 'data', ARGV[2])
+return 1
 """
 
 # KEYS: lease. ARGV: token
@@ -389,7 +454,10 @@ class JobStore:
         self.keys = keys
         self.retention_ms = retention_seconds * 1000
         self._transition = client.register_script(TRANSITION_LUA)
+        self._start = client.register_script(START_LUA)
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
+        self._progress = client.register_script(PROGRESS_LUA)
+        self._requeue = client.register_script(REQUEUE_LUA)
         self._release = client.register_script(RELEASE_LUA)
 
     def get(self, job_id: str) -> dict[str, str] | None:
@@ -397,17 +465,51 @@ class JobStore:
         return rec or None
 
     def transition(
-        self, job_id: str, allowed: tuple[str, ...], to: str, fields: dict[str, Any] | None = None, *, nbytes: int = 0
+        self,
+        job_id: str,
+        allowed: tuple[str, ...],
+        to: str,
+        fields: dict[str, Any] | None = None,
+        *,
+        nbytes: int = 0,
+        attempt: int | None = None,
     ) -> tuple[bool, str]:
-        """Move the job to ``to`` if its state is one of ``allowed``; returns (moved, previous state)."""
+        """Move the job to ``to`` if its state is one of ``allowed`` (and, given ``attempt``, if that is
+        still the job's current attempt); returns (moved, previous state)."""
         flat: list[str] = []
         for k, v in (fields or {}).items():
             flat += [k, encode_field(v)]
+        fence = "" if attempt is None else str(attempt)
         status, previous = self._transition(
             keys=[self.keys.job(job_id), self.keys.events(job_id)],
-            args=[self.keys.p, job_id, ",".join(allowed), to, now_ms(), self.retention_ms, nbytes, *flat],
+            args=[self.keys.p, job_id, ",".join(allowed), to, now_ms(), self.retention_ms, nbytes, fence, *flat],
         )
-        return (status == b"ok" or status == "ok"), _s(previous)
+        return _s(status) == "ok", _s(previous)
+
+    def start_attempt(self, job_id: str, token: str, lease_seconds: float, max_attempts: int) -> list[str]:
+        """Take the lease and start the next attempt (see START_LUA for the answers)."""
+        out = self._start(
+            keys=[self.keys.lease(job_id), self.keys.job(job_id), self.keys.events(job_id)],
+            args=[self.keys.p, job_id, token, int(lease_seconds * 1000), now_ms(), max_attempts],
+        )
+        return [_s(x) for x in out]
+
+    def is_current(self, job_id: str, attempt: int, token: str) -> bool:
+        """True while ``attempt`` is the job's current attempt and its lease is held by ``token``
+        (or has lapsed with nobody else holding it: the heartbeat takes it again)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(self.keys.job(job_id), "attempts")
+        pipe.get(self.keys.lease(job_id))
+        current, holder = pipe.execute()
+        return current is not None and _s(current) == str(attempt) and (holder is None or _s(holder) == token)
+
+    def requeue(self, job_id: str, attempt: str, queue: str) -> bool:
+        """Queue the job's stored message again if it is still in ``attempt`` with no live lease."""
+        return bool(
+            self._requeue(
+                keys=[self.keys.job(job_id), self.keys.lease(job_id), self.keys.queue(queue)], args=[attempt, now_ms()]
+            )
+        )
 
     def touch_delivery(self, delivery_tag: str) -> None:
         """Push back the broker's re-delivery of the message with this tag (kombu's unacked index)."""
@@ -416,12 +518,13 @@ class JobStore:
     def set_fields(self, job_id: str, fields: dict[str, Any]) -> None:
         self.r.hset(self.keys.job(job_id), mapping={k: encode_field(v) for k, v in fields.items()})
 
-    def progress(self, job_id: str, progress: dict[str, Any]) -> None:
+    def progress(self, job_id: str, progress: dict[str, Any], *, attempt: int | None = None) -> None:
+        """Record progress (of ``attempt`` only, when given: a stale worker's progress is dropped)."""
         data = json.dumps(progress, separators=(",", ":"))
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hset(self.keys.job(job_id), mapping={"progress": data, "updated_ms": now_ms()})
-        pipe.xadd(self.keys.events(job_id), {"type": "progress", "data": data}, maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.execute()
+        self._progress(
+            keys=[self.keys.job(job_id), self.keys.events(job_id)],
+            args=["" if attempt is None else str(attempt), data, now_ms(), EVENTS_MAXLEN],
+        )
 
     def acquire_lease(self, job_id: str, token: str, lease_seconds: float) -> bool:
         return bool(self.r.set(self.keys.lease(job_id), token, nx=True, px=int(lease_seconds * 1000)))
@@ -430,14 +533,63 @@ class JobStore:
         value = self.r.get(self.keys.lease(job_id))
         return _s(value) if value is not None else None
 
-    def heartbeat(self, job_id: str, token: str, lease_seconds: float, delivery_tag: str) -> tuple[bool, bool]:
-        """Renew the lease and the message's visibility; returns (lease still ours, cancel requested)."""
+    def heartbeat(
+        self, job_id: str, token: str, lease_seconds: float, delivery_tag: str, attempt: int = 0
+    ) -> tuple[bool, bool]:
+        """Renew (or re-take, when it lapsed and nobody else holds it) the lease and the message's
+        visibility; returns (lease still ours, cancel requested)."""
         now = time.time()
         mine, cancel = self._heartbeat(
             keys=[self.keys.lease(job_id), self.keys.job(job_id), self.keys.unacked_index],
-            args=[token, int(lease_seconds * 1000), int(now * 1000), delivery_tag, repr(now)],
+            args=[token, int(lease_seconds * 1000), int(now * 1000), delivery_tag, repr(now), str(attempt)],
         )
         return bool(int(mine)), bool(_s(cancel))
+
+    def orphans(self, *, quiet_ms: int, queues: tuple[str, ...], now: int | None = None) -> dict[str, str]:
+        """Jobs that are not final yet nobody runs or will run: ``{job id: attempts}``.
+
+        An orphan has no lease, no entry in the broker's unacked index (kombu would restore that
+        message by itself), no message waiting in ``queues``, and no change for ``quiet_ms``. Queued
+        jobs qualify only after ``quiet_ms`` too (a message on its way between the queue and the
+        unacked index is in neither for a moment; callers confirm an orphan on a second pass).
+        """
+        now = now or now_ms()
+        ids: set[str] = set()
+        for state in ("running", "cancelling", "queued"):
+            ids.update(_s(m) for m in self.r.zrangebyscore(self.keys.global_state(state), "-inf", now - quiet_ms))
+        if not ids:
+            return {}
+        ordered = sorted(ids)
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in ordered:
+            pipe.exists(self.keys.lease(job_id))
+            pipe.zscore(self.keys.unacked_index, job_id)
+            pipe.hmget(self.keys.job(job_id), "state", "attempts", "heartbeat_ms", "updated_ms")
+        answers = pipe.execute()
+        found: dict[str, str] = {}
+        for i, job_id in enumerate(ordered):
+            leased, unacked, (state, attempts, beat, updated) = answers[3 * i : 3 * i + 3]
+            if leased or unacked is not None or state is None or _s(state) in TERMINAL:
+                continue
+            last = max(int(_s(beat or 0)), int(_s(updated or 0)))
+            if now - last >= quiet_ms:
+                found[job_id] = _s(attempts or "0")
+        if found:
+            for queue in queues:
+                for message in self._scan_list(self.keys.queue(queue)):
+                    for job_id in [j for j in found if j in message]:
+                        del found[job_id]
+        return found
+
+    def _scan_list(self, key: str, batch: int = 1000) -> Any:
+        start = 0
+        while True:
+            chunk = self.r.lrange(key, start, start + batch - 1)
+            if not chunk:
+                return
+            for item in chunk:
+                yield _s(item)
+            start += batch
 
     def release_lease(self, job_id: str, token: str) -> None:
         self._release(keys=[self.keys.lease(job_id)], args=[token])

@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(default=10.0, gt=0)
     # A job whose worker died this many times fails (worker_lost) instead of being run again.
     max_attempts: int = Field(default=3, ge=1)
+    # Every worker looks for jobs with neither a live owner nor a message this often (worker/reaper.py).
+    reaper_interval_seconds: float = Field(default=30.0, gt=0)
 
     # Synchronous worker round trips of the API (dry runs, inspections).
     plan_timeout_seconds: float = Field(default=60.0, gt=0)
