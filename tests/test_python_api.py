@@ -49,6 +49,8 @@ def test_convert_with_progress_and_cancel(tmp_path: Path) -> None:
     assert "converting" in stages and "verifying" in stages and stages[-1] == "done"
     done = max((p for p in seen if p.stage == "converting"), key=lambda p: p.bytes_done)
     assert done.bytes_done == done.bytes_total == 8 * 64 * 64 * 4
+    last = seen[-1]  # a finished job's last report reads full, not zero
+    assert (last.tensors_done, last.bytes_done) == (8, 8 * 64 * 64 * 4) == (last.tensors_total, last.bytes_total)
 
     view = inspect(result.target)
     assert view["format"] == "cs-h5" and view["tensors"] == 8

@@ -85,6 +85,12 @@ class ProgressReporter:
         self.current.bytes_done += nbytes
         self._emit(force=False)
 
+    def complete(self, name: str, tensors_total: int, bytes_total: int) -> None:
+        """A final stage that is over when it starts: its counters read full, not zero."""
+        self.stage(name, tensors_total, bytes_total)
+        self.advance(tensors_total, bytes_total)
+        self._emit(force=True)
+
     def finish(self) -> None:
         self._emit(force=True)
 

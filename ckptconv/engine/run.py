@@ -357,7 +357,7 @@ def run_plan(
         raise
     result = _publish(layout, job_id)
     result.timings["publish_s"] = round(time.monotonic() - t0 - sum(timings.values()), 3)
-    reporter.stage("done", plan.tensors_total, plan.bytes_total)
+    reporter.complete("done", plan.tensors_total, plan.bytes_total)
     return result
 
 
