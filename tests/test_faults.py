@@ -295,35 +295,43 @@ def test_the_job_deadline_fires_first_and_leaves_nothing_at_the_target(service: 
     assert not listing(service.bucket, "team/.ckptconv-staging")
 
 
-@pytest.fixture
-def aof_redis(tmp_path: Path) -> Iterator[SimpleNamespace]:
-    """A private redis-server with an append-only file, which the test may restart."""
-    from conftest import _wait_port, free_port
+class PrivateRedis:
+    """A redis-server of the test's own (with an append-only file, or with no persistence at all)."""
 
-    port = free_port()
-    data = tmp_path / "redis"
-    data.mkdir()
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
-    argv += ["--appendonly", "yes", "--save", ""]
+    def __init__(self, data: Path, *, aof: bool) -> None:
+        from conftest import free_port
 
-    def start() -> subprocess.Popen:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-        _wait_port(port)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(data)]
+        self.argv += ["--appendonly", "yes" if aof else "no", "--save", ""]
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        from conftest import _wait_port
+
+        proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
+        _wait_port(self.port)
         return proc
 
-    box = SimpleNamespace(url=f"redis://127.0.0.1:{port}/0", proc=start())
+    def restart(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)  # a clean shutdown: the append-only file is synced
+        self.proc.wait(timeout=30)
+        self.proc = self._start()
 
-    def restart() -> None:
-        box.proc.send_signal(signal.SIGTERM)  # a clean shutdown: the append-only file is synced
-        box.proc.wait(timeout=30)
-        box.proc = start()
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
 
-    box.restart = restart
+
+@pytest.fixture
+def aof_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    (tmp_path / "redis").mkdir()
+    server = PrivateRedis(tmp_path / "redis", aof=True)
     try:
-        yield box
+        yield server
     finally:
-        box.proc.terminate()
-        box.proc.wait(timeout=30)
+        server.stop()
 
 
 def test_redis_restarted_mid_job_with_aof_loses_nothing(
@@ -372,3 +380,28 @@ def test_sigkill_while_verifying_is_taken_over(redis_url: str, bucket: str, tmp_
         assert not listing(bucket, "team/.ckptconv-staging")
     finally:
         svc.stop()
+
+
+def test_production_is_not_ready_on_a_redis_without_persistence(
+    aof_redis: PrivateRedis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from ckptconv.core.settings import Settings
+    from service.app import create_app
+
+    volatile = PrivateRedis(tmp_path, aof=False)
+    try:
+        answers = {}
+        for url, ready in ((volatile.url, False), (aof_redis.url, True)):
+            settings = Settings(
+                environment="production", redis_url=url, webhook_secret="whsec_" + "cHJvZHVjdGlvbi1zZWNyZXQ=" * 2
+            )
+            with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+                answers[ready] = c.get("/readyz")
+            assert (answers[ready].status_code == 200) is ready, answers[ready].text
+        assert answers[False].status_code == 503
+        assert "Redis has no persistence" in caplog.text  # the reason is in the log, not the answer
+        assert "persistence" not in answers[False].text
+    finally:
+        volatile.stop()
