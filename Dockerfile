@@ -6,21 +6,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# The CPU build of torch first, from its own index: the default wheel pulls gigabytes of CUDA.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-
 WORKDIR /app
-# Dependencies change less often than the code: install them in their own layer.
+# Dependencies change less often than the code: install them in their own layer, from the lock
+# (every package pinned with its hashes: what CI tested). torch is pinned there as the CPU build
+# 2.13.0+cpu, which only PyTorch's CPU index serves; the default wheel would pull gigabytes of CUDA.
+COPY requirements.lock ./
+RUN pip install --require-hashes -r requirements.lock --extra-index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
-RUN mkdir -p ckptconv service worker \
-    && touch ckptconv/__init__.py service/__init__.py worker/__init__.py \
-    && pip install . \
-    && pip uninstall -y ckptconv \
-    && rm -rf ckptconv service worker build *.egg-info
 COPY ckptconv ./ckptconv
 COPY service ./service
 COPY worker ./worker
-RUN pip install --no-deps . && rm -rf build *.egg-info
+RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin ckptconv
 USER ckptconv

@@ -1,5 +1,5 @@
 # The commands README.md gives: `make demo` runs the main job, `make test` runs the tests.
-.PHONY: setup test lint demo bench
+.PHONY: setup test lint demo bench lock
 
 setup:
 	scripts/setup.sh test
@@ -21,3 +21,7 @@ demo:
 
 bench: setup
 	.venv/bin/python -m bench.convert_bench
+
+# Regenerate requirements.lock and requirements-test.lock (pinned, hashed) after pyproject.toml changes.
+lock:
+	scripts/lock.sh
