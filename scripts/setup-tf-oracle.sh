@@ -11,12 +11,13 @@ cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
 venv=".venv-tf"
 stamp="$venv/.tf-oracle-installed"
-if [ ! -f "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ tests/tf_oracle/requirements.lock -nt "$stamp" ]; then
   if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
   fi
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet "tensorflow-cpu>=2.13"
+  # The version CI tested, every package hashed (tests/tf_oracle/requirements.lock, from scripts/lock.sh).
+  "$venv/bin/python" -m pip install --quiet --require-hashes -r tests/tf_oracle/requirements.lock
   "$venv/bin/python" -c "import tensorflow as tf; print('tensorflow', tf.__version__)" >/dev/null 2>&1
   touch "$stamp"
 fi
