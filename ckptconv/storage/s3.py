@@ -247,8 +247,8 @@ def _s3_errors(uri: str, endpoint: str | None = None) -> Iterator[None]:
         raise StorageError(f"S3 request for {uri} failed: {type(e).__name__}: {e}", uri=uri) from e
 
 
-def _rejects_conditional(e: ClientError) -> bool:
-    """True when a server refuses ``If-None-Match`` itself rather than the object (old S3-compatible servers)."""
+def _not_implemented(e: ClientError) -> bool:
+    """True when a server refuses a feature itself (``If-None-Match``, listing uploads), not the request."""
     code, status = _error_code(e)
     return status == 501 or code == "NotImplemented"
 
@@ -285,6 +285,8 @@ class S3Storage(Storage):
         self.copy_part_size = min(max(copy_part_size, MIN_PART_SIZE), MAX_PART_SIZE)
         # Cleared the first time the server refuses If-None-Match; HeadObject checks remain.
         self.conditional_writes = True
+        # Cleared the first time the server cannot list multipart uploads.
+        self.upload_listing = True
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -336,7 +338,7 @@ class S3Storage(Storage):
                     try:
                         return call(IfNoneMatch="*", **kwargs)
                     except ClientError as e:
-                        if not _rejects_conditional(e):
+                        if not _not_implemented(e):
                             raise
                         log.info("%s refuses If-None-Match (%s); relying on HEAD checks", self.endpoint_url, e)
                         self.conditional_writes = False
@@ -545,15 +547,26 @@ class S3Storage(Storage):
         self._retried(prefix, attempt, "delete_objects")
 
     def abort_uploads(self, prefix: str) -> int:
-        """Abort every incomplete multipart upload whose key starts with ``prefix``'s key."""
+        """Abort every incomplete multipart upload whose key starts with ``prefix``'s key.
+
+        Servers that cannot list uploads (s3rver) are skipped: writers abort their own uploads."""
+        if not self.upload_listing:
+            return 0
         bucket, key_prefix = split_s3(prefix)
-        uploads = [
-            (u["Key"], u["UploadId"])
-            for page in self._pages(
-                prefix, self.client.list_multipart_uploads, "KeyMarker", Bucket=bucket, Prefix=key_prefix
-            )
-            for u in page.get("Uploads", ())
-        ]
+        try:
+            uploads = [
+                (u["Key"], u["UploadId"])
+                for page in self._pages(
+                    prefix, self.client.list_multipart_uploads, "KeyMarker", Bucket=bucket, Prefix=key_prefix
+                )
+                for u in page.get("Uploads", ())
+            ]
+        except StorageError as e:
+            if not (isinstance(e.__cause__, ClientError) and _not_implemented(e.__cause__)):
+                raise
+            log.info("%s cannot list multipart uploads (%s)", self.endpoint_url, e)
+            self.upload_listing = False
+            return 0
         for key, upload_id in uploads:
             self._abort_upload(bucket, key, upload_id, s3_uri(bucket, key))
         return len(uploads)

