@@ -33,6 +33,11 @@ SHARD_BY_HELP = (
 )
 
 
+MEMORY_BUDGET_HELP = (
+    "memory the conversion may use (e.g. 4GB); at least twice the largest tensor plus 300 MB,"
+    " the rest reads ahead (default: that minimum)"
+)
+
 def dtype_arg(value: str) -> str:
     return DTYPE_ALIASES.get(value.lower(), value.lower())
 
@@ -60,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-by", action="append", metavar="GLOB", help=SHARD_BY_HELP)
     p.add_argument("--dtype", type=dtype_arg, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
     p.add_argument("--no-verify", action="store_true", help="skip re-reading the output (not recommended)")
+    p.add_argument("--memory-budget", help=MEMORY_BUDGET_HELP)
     p.add_argument("--no-progress", "--no-progress-bar", action="store_true", help="no progress bar")
     p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -95,6 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="source_format")
     p.add_argument("--shard-size")
     p.add_argument("--dtype", type=dtype_arg)
+    p.add_argument("--memory-budget", help=MEMORY_BUDGET_HELP)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("formats", help="list the container formats")
@@ -164,6 +171,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             progress=bar,
             verify=not args.no_verify,
             allow_incomplete=args.allow_incomplete or None,
+            memory_budget=args.memory_budget,
         )
     finally:
         bar.close()
@@ -175,7 +183,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ckptconv.engine.convert import plan_conversion
 
     view = plan_conversion(
-        args.source, to=args.to, source_format=args.source_format, shard_size=args.shard_size, dtype=args.dtype
+        args.source,
+        to=args.to,
+        source_format=args.source_format,
+        shard_size=args.shard_size,
+        dtype=args.dtype,
+        memory_budget=args.memory_budget,
     )
     json.dump(view, sys.stdout, indent=2)
     print()

@@ -94,6 +94,7 @@ def convert(
     verify: bool = True,
     allow_incomplete: bool | None = None,
     shard_by: list[str] | None = None,
+    memory_budget: int | str | None = None,
 ) -> ConvertResult:
     """Container conversion: every entry of ``source`` written to ``target`` in format ``to``.
 
@@ -120,6 +121,7 @@ def convert(
             cancelled=cancelled,
             job_id=job_id,
             verify=verify,
+            memory_budget=memory_budget,
         )
     finally:
         src.close()
@@ -135,6 +137,7 @@ def plan_conversion(
     shard_size: int | str | None = None,
     dtype: str | None = None,
     limit: int | None = 1000,
+    memory_budget: int | str | None = None,
 ) -> dict[str, Any]:
     """Dry run: what a container conversion would write, from the source's metadata only."""
     try:
@@ -156,6 +159,10 @@ def plan_conversion(
         sizes = {e.key: e.nbytes for e in entries}
         out = plan.to_dict(source_sizes=sizes, limit=limit)
         out["shards"] = _shard_layout(to, plan, shard_size)
+        try:
+            out["memory"] = plan.memory(sizes, memory_budget)
+        except CkptconvError as e:
+            errors.append(e.to_problem())
         out.update({"ok": not errors, "errors": errors, "source": source_facts(src), "target_format": to})
         return out
     finally:

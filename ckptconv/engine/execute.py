@@ -259,8 +259,12 @@ def execute(
     reporter: ProgressReporter | None = None,
     cancelled: CancelFn | None = None,
     prefetch: bool = True,
+    read_ahead: int | None = None,
 ) -> dict[str, str]:
     """Run ``plan`` from ``source`` into ``sink`` (begin + writes; the caller commits or aborts).
+
+    ``read_ahead`` bounds the bytes the reader thread holds ahead (default: the largest value;
+    ``Plan.memory`` derives it from a memory budget).
 
     Returns the digest of every value written, by output key. Raises Cancelled between entries when
     ``cancelled()`` turns true.
@@ -273,7 +277,8 @@ def execute(
     uses = plan.input_uses()
     order = _first_use_order(plan)
     largest = max((src_sizes.get(k, 0) for k in order), default=0)
-    fetcher = _Prefetcher(source, order, src_sizes, budget=largest) if prefetch and order else None
+    budget = max(largest, read_ahead or 0)
+    fetcher = _Prefetcher(source, order, src_sizes, budget=budget) if prefetch and order else None
     cache: dict[str, Any] = {}
     digests: dict[str, str] = {}
     reporter.stage("converting", plan.tensors_total, plan.bytes_total)

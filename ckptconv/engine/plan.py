@@ -18,9 +18,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptconv.core.dtypes import DTYPE_SIZES, is_float_dtype
-from ckptconv.core.errors import UnsupportedDtype
+from ckptconv.core.errors import InvalidRequest, UnsupportedDtype
+from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry
 from ckptconv.formats.tree import TreeSpec
+
+# Memory a conversion needs besides tensor data: interpreter, libraries, I/O buffers.
+BASE_MEMORY = 300 << 20
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,34 @@ class Plan:
             for k in s.inputs:
                 uses[k] = uses.get(k, 0) + 1
         return uses
+
+    def memory(self, source_sizes: dict[str, int], budget: int | str | None = None) -> dict[str, int | None]:
+        """How a run of this plan uses memory, within ``budget`` bytes when one is given.
+
+        The executor holds the value being written plus what its reader has read ahead; the read-
+        ahead gets whatever the budget leaves beyond the largest value and a fixed allowance for
+        the interpreter and libraries. A budget below twice the largest value plus that allowance
+        cannot be kept: InvalidRequest, naming the minimum.
+        """
+        largest = max([*source_sizes.values(), self.largest_entry_bytes()], default=0)
+        minimum = 2 * largest + BASE_MEMORY
+        if budget is None:
+            read_ahead = largest
+        else:
+            budget = parse_size(budget)
+            if budget < minimum:
+                raise InvalidRequest(
+                    f"a memory budget of {budget} bytes is too small for this checkpoint: it needs at least"
+                    f" {minimum} (twice its largest tensor, {largest} bytes, plus {BASE_MEMORY} bytes)",
+                    hint=f"raise memory_budget to {minimum} or more",
+                )
+            read_ahead = budget - largest - BASE_MEMORY
+        return {
+            "budget_bytes": budget,
+            "minimum_bytes": minimum,
+            "read_ahead_bytes": read_ahead,
+            "estimated_peak_bytes": read_ahead + largest + BASE_MEMORY,
+        }
 
     def peak_memory_estimate(self, source_sizes: dict[str, int], prefetch: int = 1) -> int:
         """Bytes of tensor data alive at once during execution (inputs kept + step output + prefetch).

@@ -83,6 +83,7 @@ class ConvertResult:
     verify: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
     tensors: int = 0
     bytes: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
@@ -100,6 +101,7 @@ class ConvertResult:
             "verify": dict(self.verify),
             "timings": dict(self.timings),
             "source": dict(self.source),
+            **({"memory": dict(self.memory)} if self.memory else {}),
             **({"extras": self.extras} if self.extras else {}),
         }
 
@@ -115,6 +117,7 @@ class ConvertResult:
             verify=doc.get("verify", {}),
             timings=doc.get("timings", {}),
             source=doc.get("source", {}),
+            memory=doc.get("memory", {}),
             tensors=doc.get("tensors", 0),
             bytes=doc.get("bytes", 0),
             extras=doc.get("extras", {}),
@@ -267,6 +270,7 @@ def run_plan(
     extras: dict[str, Any] | None = None,
     sink_factory: Callable[..., TensorSink] | None = None,
     reopen: Callable[[Storage, str], TensorSource] | None = None,
+    memory_budget: int | str | None = None,
 ) -> ConvertResult:
     """Execute ``plan`` from ``src`` into format ``to`` at ``target``; verify; publish atomically.
 
@@ -289,13 +293,16 @@ def run_plan(
     if _target_exists(storage, layout.target, to):
         raise TargetExists(f"{layout.target} already exists")
 
+    memory = plan.memory({e.key: e.nbytes for e in src.entries()}, memory_budget)
     # A previous attempt of this job may have left a partial staging area: start clean.
     _discard(layout)
     options = {k: v for k, v in (sink_options or {}).items() if v is not None}
     sink = (sink_factory or sink_class(to))(storage, layout.sink_uri, **options)
     t0 = time.monotonic()
     try:
-        digests = execute(plan, src, sink, reporter=reporter, cancelled=cancelled)
+        digests = execute(
+            plan, src, sink, reporter=reporter, cancelled=cancelled, read_ahead=memory["read_ahead_bytes"]
+        )
         outputs = list(sink.commit())
     except BaseException:
         _abort(sink, storage, layout)
@@ -349,6 +356,7 @@ def run_plan(
             "verify": report.to_dict() if report else {"ok": None, "skipped": True},
             "warnings": list(plan.warnings),
             "timings": timings,
+            "memory": memory,
             **({"extras": jsonable(extras)} if extras else {}),
         }
         storage.write_bytes(staged_manifest, json.dumps(doc, indent=2).encode())

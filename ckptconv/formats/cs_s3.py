@@ -287,7 +287,7 @@ class CsS3Source(TensorSource):
 
         def piece(start: int) -> None:
             length = min(_RANGE, n - start)
-            dest[start : start + length] = self.storage.read_range(uri, start, length)
+            self.storage.read_into(uri, start, dest[start : start + length])
 
         starts = range(0, n, _RANGE)
         if self._pool is None or len(starts) == 1:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -133,8 +134,21 @@ def _is_uint(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
+# The first read of a file takes this much: the length prefix and, nearly always, the whole header
+# (one request per shard instead of two; object stores charge latency per request).
+HEAD_READ = 64 << 10
+
+
+def read_headers(storage: Storage, uris: list[str]) -> list[Header]:
+    """The headers of several files (an index's shards), read in parallel."""
+    if len(uris) <= 1:
+        return [read_header(storage, u) for u in uris]
+    with ThreadPoolExecutor(max_workers=min(8, len(uris)), thread_name_prefix="st-headers") as pool:
+        return list(pool.map(lambda u: read_header(storage, u), uris))
+
+
 def read_header(storage: Storage, uri: str, *, base: int = 0) -> Header:
-    """Read and validate the header of one safetensors file (two small ranged reads).
+    """Read and validate the header of one safetensors file (usually one ranged read).
 
     ``base``: the safetensors data starts at this byte of ``uri`` and runs to its end (as in the
     ``.distcp`` files of a distributed checkpoint saved in DCP's safetensors format); the slots
@@ -143,12 +157,13 @@ def read_header(storage: Storage, uri: str, *, base: int = 0) -> Header:
     size = storage.stat(uri).size - base
     if size < 8:
         raise CorruptCheckpoint(f"{uri} is {size} bytes: too short for a safetensors file")
-    (n,) = struct.unpack("<Q", storage.read_range(uri, base, 8))
+    head = storage.read_range(uri, base, min(size, HEAD_READ))
+    (n,) = struct.unpack("<Q", head[:8])
     if n > MAX_HEADER:
         raise CorruptCheckpoint(f"{uri}: header length {n} exceeds the {MAX_HEADER}-byte limit")
     if n > size - 8:
         raise CorruptCheckpoint(f"{uri}: header length {n} runs past the end of the {size}-byte file")
-    raw = storage.read_range(uri, base + 8, n)
+    raw = head[8 : 8 + n] if 8 + n <= len(head) else storage.read_range(uri, base + 8, n)
     if not raw.lstrip(JSON_WHITESPACE).startswith(b"{"):
         raise CorruptCheckpoint(f"{uri}: the safetensors header is not a JSON object")
     try:
@@ -237,8 +252,8 @@ class SafetensorsSource(TensorSource):
             index = read_index(storage, self.path)
             self._files += index.shards
             slots: dict[str, Slot] = {}
-            for shard in index.shards:
-                for key, slot in read_header(storage, shard).slots.items():
+            for header in read_headers(storage, index.shards):
+                for key, slot in header.slots.items():
                     if key in slots:
                         raise CorruptCheckpoint(f"{key!r} is stored in both {slots[key].uri} and {slot.uri}")
                     slots[key] = slot

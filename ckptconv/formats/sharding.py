@@ -420,7 +420,7 @@ def read_slot(storage: Storage, slot: Slot, fd: int | None = None) -> torch.Tens
                 raise CorruptCheckpoint(f"{slot.uri} ends early: wanted {slot.nbytes} bytes at offset {slot.offset}")
             done += got
     else:
-        buf[:] = storage.read_range(slot.uri, slot.offset, slot.nbytes)
+        storage.read_into(slot.uri, slot.offset, buf)
     return t
 
 

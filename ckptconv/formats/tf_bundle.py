@@ -586,7 +586,7 @@ class TfSource(TensorSource):
                         raise CorruptCheckpoint(f"{uri} is truncated inside {key!r}")
                     got += n
         else:
-            view[:] = self.storage.read_range(uri, e.offset, e.size)
+            self.storage.read_into(uri, e.offset, view)
         if crc32c_extend(0, view) != unmask_crc(e.crc32c):
             raise CorruptCheckpoint(f"{key!r} fails its crc32c check: the data file is damaged")
         return out

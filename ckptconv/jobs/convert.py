@@ -19,6 +19,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         source_format=ctx.source.get("format"),
         shard_size=ctx.options.shard_size,
         dtype=ctx.options.dtype,
+        memory_budget=ctx.options.memory_budget,
         progress=ctx.progress,
         cancelled=ctx.cancelled,
         job_id=ctx.job_id,
@@ -36,6 +37,7 @@ def plan(ctx: JobContext) -> dict[str, Any]:
         source_format=ctx.source.get("format"),
         shard_size=ctx.options.shard_size,
         dtype=ctx.options.dtype,
+        memory_budget=ctx.options.memory_budget,
     )
     if not doc.get("ok") and set(doc) <= {"ok", "errors"} and doc.get("errors"):
         # The source could not even be opened: that is an error of the request, not a plan.

@@ -129,8 +129,14 @@ class ConvertOptions(KindOptions):
     dtype: FloatDtype | None = Field(
         default=None, description="cast floating-point tensors to this dtype (integer tensors keep theirs)"
     )
+    memory_budget: Size | None = Field(
+        default=None,
+        description="bytes the conversion may hold (at least twice the largest tensor plus 300 MB; the plan"
+        " reports the minimum); what exceeds that minimum reads ahead. Default: the minimum",
+        examples=["4GB"],
+    )
 
-    @field_validator("shard_size")
+    @field_validator("shard_size", "memory_budget")
     @classmethod
     def _size(cls, value: int | str | None) -> int | str | None:
         if value is None:

@@ -31,12 +31,14 @@ Guarantees on top of the :class:`~ckptconv.storage.base.Storage` contract:
 from __future__ import annotations
 
 import binascii
+import concurrent.futures
 import contextlib
 import hashlib
 import io
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
@@ -58,6 +60,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists
+from ckptconv.core.sizes import parse_size
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import s3_uri, split_s3
 from ckptconv.storage.base import ObjectInfo, RangeReader, Storage, Writer
@@ -74,8 +77,11 @@ MAX_PARTS = 10_000
 MAX_SINGLE_COPY = 5 << 30
 # Doubling the part size every this many parts reaches S3's 5 TiB object limit well before part 10,000.
 PART_GROWTH_EVERY = 1_000
-# A handful of engine threads plus one background uploader per open writer.
+# A handful of engine threads plus one background uploader per open writer (plus the parallel reads).
 MAX_POOL_CONNECTIONS = 16
+# Ranged GETs of one read in flight at once (CKPTCONV_S3_READ_CONCURRENCY), each of
+# CKPTCONV_S3_READ_PART_SIZE bytes (default 16 MiB).
+DEFAULT_READ_CONCURRENCY = 8
 # A response that sends no byte for this long is a stalled connection: retried.
 DEFAULT_READ_TIMEOUT_S = 60.0
 # Body bytes taken from the connection per read call (what a broken connection can cost).
@@ -275,9 +281,15 @@ class S3Storage(Storage):
         multipart_copy_threshold: int = MAX_SINGLE_COPY,
         copy_part_size: int = 1 << 30,
     ) -> None:
-        self.client = client if client is not None else make_client(endpoint_url)
+        env = os.environ
+        self.read_concurrency = max(1, int(env.get("CKPTCONV_S3_READ_CONCURRENCY", DEFAULT_READ_CONCURRENCY)))
+        self.read_part_size = max(MIN_PART_SIZE, parse_size(env.get("CKPTCONV_S3_READ_PART_SIZE", "16MiB")))
+        pool = MAX_POOL_CONNECTIONS + self.read_concurrency
+        self.client = client if client is not None else make_client(endpoint_url, pool_connections=pool)
         self.endpoint_url: str | None = self.client.meta.endpoint_url
         self.retry = RetryPolicy.from_env(max_attempts)
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
         if part_checksums is None:
             part_checksums = getattr(self.client.meta.config, "request_checksum_calculation", None) != "when_required"
         self.part_checksums = part_checksums
@@ -394,20 +406,48 @@ class S3Storage(Storage):
         return bytes(buf)
 
     def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
-        """Fill ``buf`` with the bytes at ``offset``: one ranged GET, retried per the policy; a
-        retry after a broken body asks only for the bytes still missing."""
+        """Fill ``buf`` with the bytes at ``offset``.
+
+        A range longer than ``read_part_size`` is fetched as parts of that size, up to
+        ``read_concurrency`` ranged GETs at a time, each straight into its slice of ``buf`` (one
+        connection tops out far below what a store serves to several). Each part is retried per
+        the policy on its own; a retry after a broken body asks only for the bytes still missing.
+        """
         view = memoryview(buf).cast("B")
         length = len(view)
         check_range(uri, offset, length)
         if length == 0:
             return
         bucket, key = self._object(uri)
+        part = self.read_part_size
+        if self.read_concurrency <= 1 or length < 2 * part:
+            self._read_part(uri, bucket, key, offset, view)
+            return
+        futures = [
+            self._read_pool().submit(self._read_part, uri, bucket, key, offset + start, view[start : start + part])
+            for start in range(0, length, part)
+        ]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)  # no part may write into buf after we return
+
+    def _read_part(self, uri: str, bucket: str, key: str, offset: int, view: memoryview) -> None:
         done = [0]  # bytes in place so far; survives the failed tries
 
         def attempt() -> None:
             self._get_into(uri, bucket, key, offset, view, done)
 
         self._retried(uri, attempt, "get_object")
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.read_concurrency, thread_name_prefix="s3-read")
+            return self._pool
 
     def _get_into(self, uri: str, bucket: str, key: str, offset: int, view: memoryview, done: list[int]) -> None:
         """One ranged GET of ``view[done[0]:]``; advances ``done[0]`` as bytes arrive."""

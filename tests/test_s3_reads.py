@@ -1,0 +1,98 @@
+"""Reading over S3 in few, parallel requests, within a memory budget (moto behind the recording
+proxy of tests/faultproxy.py; never a throughput measurement: see bench/s3_bench.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from faultproxy import FaultProxy
+from safetensors.torch import save
+
+from ckptconv.core.errors import InvalidRequest
+from ckptconv.engine.convert import convert, plan_conversion
+from ckptconv.formats.detect import open_source
+from ckptconv.storage.s3 import S3Storage
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def recorded(s3_server, monkeypatch):
+    """A proxy without faults that records every request's method, path and Range."""
+    proxy = FaultProxy(s3_server)
+    proxy.start()
+    seen: list[tuple[str, str]] = []
+    proxy.on_request = lambda method, headers: seen.append((method, headers.get("range", "")))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    yield proxy, seen
+    proxy.stop()
+
+
+def test_a_long_range_is_read_as_parallel_parts(s3_bucket, recorded, monkeypatch):
+    proxy, seen = recorded
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
+    monkeypatch.setenv("CKPTCONV_S3_READ_CONCURRENCY", "4")
+    data = os.urandom(30 * MiB)
+    S3Storage(proxy.url).write_bytes(f"s3://{s3_bucket}/blob", data)
+    storage = S3Storage(proxy.url)
+    assert (storage.read_concurrency, storage.read_part_size) == (4, 5 * MiB)
+    seen.clear()
+    buf = bytearray(23 * MiB + 7)
+    storage.read_into(f"s3://{s3_bucket}/blob", 12345, buf)
+    assert buf == data[12345 : 12345 + len(buf)]
+    ranges = sorted(int(r.removeprefix("bytes=").split("-")[0]) for m, r in seen if m == "GET")
+    assert ranges == [12345 + i * 5 * MiB for i in range(5)]
+
+
+def test_parallel_parts_survive_resets(s3_bucket, s3_server, monkeypatch):
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
+    data = os.urandom(40 * MiB)
+    S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/blob", data)
+    with FaultProxy(s3_server, rate=0.3, faults=("reset", "error", "nolength"), seed=4) as proxy:
+        got = S3Storage(proxy.url, max_attempts=20).read_range(f"s3://{s3_bucket}/blob", 3, 40 * MiB - 3)
+        assert got == data[3:]
+        assert sum(proxy.counts.values()) >= 1
+
+
+def test_an_index_of_shards_opens_with_one_read_per_shard(s3_bucket, recorded):
+    proxy, seen = recorded
+    storage = S3Storage(proxy.url)
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i in range(4):
+        name = f"model-{i}.safetensors"
+        tensors = {f"w{i}.{j}": torch.randn(64, 64, generator=g) for j in range(50)}
+        storage.write_bytes(f"s3://{s3_bucket}/m/{name}", save(tensors))
+        weight_map.update(dict.fromkeys(tensors, name))
+    import json
+
+    index = {"metadata": {}, "weight_map": weight_map}
+    storage.write_bytes(f"s3://{s3_bucket}/m/model.safetensors.index.json", json.dumps(index).encode())
+    seen.clear()
+    with open_source(f"s3://{s3_bucket}/m/model.safetensors.index.json", "safetensors") as src:
+        assert len(src.entries()) == 200
+    shard_gets = [r for m, r in seen if m == "GET" and r]
+    assert len(shard_gets) <= 4 + 2, seen  # one ranged GET per shard header (+ the index)
+
+
+def test_the_plan_reports_and_the_run_keeps_a_memory_budget(s3_bucket, s3_server, tmp_path):
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(6)}  # 1 MiB each
+    uri = f"s3://{s3_bucket}/src/model.safetensors"
+    S3Storage(s3_server).write_bytes(uri, save(tensors))
+    largest = 512 * 512 * 4
+    plan = plan_conversion(uri, to="cs-h5", memory_budget="400MiB")
+    assert plan["ok"], plan
+    memory = plan["memory"]
+    assert memory["minimum_bytes"] == 2 * largest + (300 << 20)
+    assert memory["read_ahead_bytes"] == (400 << 20) - largest - (300 << 20)
+    assert memory["estimated_peak_bytes"] <= 400 << 20
+    refused = plan_conversion(uri, to="cs-h5", memory_budget="301MiB")
+    assert not refused["ok"] and refused["errors"][0]["code"] == "invalid_request"
+    with pytest.raises(InvalidRequest, match="memory budget"):
+        convert(uri, str(tmp_path / "small.mdl"), to="cs-h5", memory_budget="301MiB")
+    assert not (tmp_path / "small.mdl").exists()
+    result = convert(uri, str(tmp_path / "out.mdl"), to="cs-h5", memory_budget="400MiB")
+    assert result.memory == memory and result.verify["ok"]
