@@ -53,10 +53,13 @@ export CKPTCONV_REDIS_URL="$REDIS_URL"
 export CKPTCONV_REDIS_PREFIX="ckptconv-demo-$$:"
 export CKPTCONV_STORAGE_PROBE_URI="$DEMO_DIR/"
 
-echo "demo: starting the API on $URL (development mode: no API keys) and one worker"
+echo "demo: starting the API on $URL (development mode: no API keys), a conversion worker and an interactive one"
 "$CKPTCONV" serve --dev --port "$PORT" --log-level warning >"$RUN_DIR/api.log" 2>&1 &
 pids+=($!)
-"$CKPTCONV" worker --loglevel warning >"$RUN_DIR/worker.log" 2>&1 &
+"$CKPTCONV" worker --queues jobs --loglevel warning >"$RUN_DIR/worker.log" 2>&1 &
+pids+=($!)
+# Plans, inspections and webhooks have their own consumer: they never wait behind a conversion.
+"$CKPTCONV" worker --interactive --loglevel warning >"$RUN_DIR/interactive.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 300); do
   "$PY" -c "import httpx, sys; httpx.get(sys.argv[1] + '/readyz', timeout=1).raise_for_status()" "$URL" 2>/dev/null && break

@@ -58,6 +58,9 @@ def test_compose_services_run_valid_commands_on_one_network() -> None:
     parser = build_parser()
     assert parser.parse_args(services["api"]["command"]).func.__name__ == "cmd_serve"
     assert parser.parse_args(services["worker"]["command"]).func.__name__ == "cmd_worker"
+    # Conversions and interactive work (plans, inspections, webhooks) have their own consumers.
+    assert parser.parse_args(services["worker"]["command"]).queues == "jobs"
+    assert parser.parse_args(services["interactive"]["command"]).interactive
     env = services["api"]["environment"]
     assert env["CKPTCONV_REDIS_URL"].startswith("redis://redis:")
     assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"

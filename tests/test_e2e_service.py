@@ -110,8 +110,8 @@ class Service:
         self.procs.append(proc)
         return proc
 
-    def start_worker(self) -> subprocess.Popen:
-        proc = self._spawn("worker", ["worker", "--pool", "solo", "--loglevel", "info"])
+    def start_worker(self, *options: str) -> subprocess.Popen:
+        proc = self._spawn("worker", ["worker", "--pool", "solo", "--loglevel", "info", *options])
         deadline = time.monotonic() + 60
         while b"ready." not in Path(proc.log_path).read_bytes():  # type: ignore[attr-defined]
             assert proc.poll() is None, Path(proc.log_path).read_text()  # type: ignore[attr-defined]

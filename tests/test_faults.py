@@ -405,3 +405,22 @@ def test_production_is_not_ready_on_a_redis_without_persistence(
         assert "persistence" not in answers[False].text
     finally:
         volatile.stop()
+
+
+def test_a_plan_answers_while_every_conversion_worker_is_busy(redis_url: str, bucket: str, tmp_path: Path) -> None:
+    svc = Service(redis_url, bucket, tmp_path)
+    try:
+        make_checkpoint(bucket, "team/busy/model.safetensors", 600)
+        svc.start_worker("--queues", "jobs")  # the only conversion worker
+        interactive = svc._spawn("interactive", ["worker", "--interactive", "--loglevel", "info"])
+        wait_for(lambda: b"ready." in Path(interactive.log_path).read_bytes(), timeout=60)
+        with svc.client() as c:
+            job = c.submit(
+                f"s3://{bucket}/team/busy/model.safetensors", f"s3://{bucket}/team/busy-out/model.mdl", to="cs-h5"
+            )
+            wait_for(lambda: c.get(job["id"])["state"] == "running", timeout=120)
+            plan = c.plan(f"s3://{bucket}/team/busy/model.safetensors", f"s3://{bucket}/team/busy-plan.mdl", to="cs-h5")
+            assert plan["ok"] is True
+            assert c.get(job["id"])["state"] == "running"  # answered while the conversion worker was busy
+    finally:
+        svc.stop()

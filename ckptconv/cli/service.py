@@ -41,12 +41,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("worker", help="run a worker (Celery) that executes jobs, dry runs and webhooks")
+    p = sub.add_parser(
+        "worker",
+        help="run a worker (Celery) that executes jobs, dry runs and webhooks",
+        description=(
+            "Conversions are long and dry runs, inspections and webhook deliveries short, so they have "
+            "their own queues. Run conversion workers with --queues jobs and at least one "
+            "`ckptconv worker --interactive` beside them: plans then answer in seconds however busy the "
+            "conversions are. Without either option a worker consumes both queues (one process for "
+            "everything; a plan then waits while that worker converts)."
+        ),
+    )
     p.add_argument("--queues", help="comma-separated queues (default: the jobs and interactive queues)")
     p.add_argument(
-        "--pool", default="prefork", choices=["prefork", "solo", "threads"], help="Celery pool (default prefork)"
+        "--interactive",
+        action="store_true",
+        help="consume only the interactive queue (plans, inspections, webhooks), with threads (default 4)",
     )
-    p.add_argument("--concurrency", type=int, default=1, help="jobs at once per worker (default 1)")
+    p.add_argument(
+        "--pool",
+        choices=["prefork", "solo", "threads"],
+        help="Celery pool (default prefork; threads with --interactive)",
+    )
+    p.add_argument("--concurrency", type=int, help="tasks at once per worker (default 1; 4 with --interactive)")
     p.add_argument("--hostname", help="worker name (default: celery's)")
     p.add_argument("--loglevel", default="info")
     p.set_defaults(func=cmd_worker)
@@ -141,7 +158,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings()
-    queues = args.queues or f"{settings.jobs_queue},{settings.interactive_queue}"
+    if args.interactive:
+        queues = settings.interactive_queue
+    else:
+        queues = args.queues or f"{settings.jobs_queue},{settings.interactive_queue}"
+    pool = args.pool or ("threads" if args.interactive else "prefork")
+    concurrency = args.concurrency or (4 if args.interactive else 1)
     argv = [
         sys.executable,
         "-m",
@@ -149,8 +171,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--app=worker.celery_app",
         "worker",
         f"--queues={queues}",
-        f"--pool={args.pool}",
-        f"--concurrency={args.concurrency}",
+        f"--pool={pool}",
+        f"--concurrency={concurrency}",
         f"--loglevel={args.loglevel}",
         # Workers need no gossip, clock sync or event heartbeats among themselves; start fast.
         "--without-gossip",
