@@ -9,7 +9,6 @@ always branch on ``code``.
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -53,8 +52,11 @@ def as_error(exc: BaseException, method: str, path: str) -> errors.CkptconvError
         if klass is not None:
             return klass(str(exc.detail))
     if is_redis_error(exc):
-        return errors.ServiceUnavailable(f"Redis did not answer: {type(exc).__name__}: {exc}")
-    return errors.CkptconvError(f"unhandled {type(exc).__name__}: {exc}", traceback=exc)
+        error: errors.CkptconvError = errors.ServiceUnavailable(f"Redis did not answer: {type(exc).__name__}: {exc}")
+    else:
+        error = errors.CkptconvError(f"unhandled {type(exc).__name__}: {exc}")
+    error.__cause__ = exc  # logged with its traceback (problem_response)
+    return error
 
 
 def _validation_item(e: dict[str, Any]) -> dict[str, Any]:
@@ -67,43 +69,17 @@ def is_redis_error(exc: BaseException) -> bool:
     return isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError)
 
 
-def public(error: errors.CkptconvError, where: str) -> tuple[errors.CkptconvError, str | None]:
-    """What a client may see of ``error``, and the correlation id its details were logged under.
-
-    Server-side failures (5xx) are logged in full (message, details, traceback) under a new
-    correlation id and answered with their class's title and hint only: exception text, endpoint
-    URLs and other internals never leave the service. Client errors (4xx) describe the request and
-    are answered as they are.
-    """
-    if error.http_status < 500:
-        return error, None
-    correlation_id = "corr_" + uuid.uuid4().hex[:20]
-    details = {k: v for k, v in error.details.items() if k != "traceback"}
-    cause = error.details.get("traceback")
-    log.error(
-        "%s %s [correlation id %s]: %s%s",
-        error.code,
-        where,
-        correlation_id,
-        error.message,
-        f" {details}" if details else "",
-        exc_info=cause if isinstance(cause, BaseException) else None,
-    )
-    redacted = type(error)(f"{error.title}; the service logged the details under correlation id {correlation_id}")
-    return redacted, correlation_id
-
-
 def problem_response(
     error: errors.CkptconvError, path: str | None = None, headers: dict[str, str] | None = None, method: str = ""
 ) -> JSONResponse:
-    """The problem document of ``error`` (see :func:`public`) with the headers its status calls for."""
+    """The problem document of ``error`` with the headers its status calls for; a server error (5xx)
+    is logged and answered with a correlation id only (``CkptconvError.public``)."""
     headers = dict(headers or {})
     retry_after = getattr(error, "retry_after", None)
-    error, correlation_id = public(error, f"{method} {path or ''}".strip())
+    error = error.public(log, f"{method} {path or ''}".strip())
+    if "correlation_id" in error.details:
+        headers["Correlation-Id"] = str(error.details["correlation_id"])
     doc = error.to_problem(instance=path)
-    if correlation_id:
-        doc["correlation_id"] = correlation_id
-        headers["Correlation-Id"] = correlation_id
     if error.http_status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="ckptconv"'
     if error.http_status in (429, 503):

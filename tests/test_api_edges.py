@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 from test_api import assert_problem, drop_prefix, job_body
 
 from ckptconv.core.auth import create_key
-from ckptconv.core.errors import StorageError
+from ckptconv.core.errors import CkptconvError, ObjectNotFound, StorageError
 from ckptconv.core.jobstore import RedisKeys
 from ckptconv.core.settings import Settings
 from service.app import create_app
@@ -269,3 +269,22 @@ def test_a_bounded_pool_makes_commands_wait_for_a_connection_then_gives_up(redis
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_workers_server_error_reaches_the_client_as_its_correlation_id_only(caplog: pytest.LogCaptureFixture) -> None:
+    worker_log = logging.getLogger("ckptconv.worker")
+    try:
+        raise KeyError("ContentLength")
+    except KeyError as e:
+        with caplog.at_level(logging.ERROR, logger="ckptconv.worker"):
+            shown = CkptconvError(f"unexpected {type(e).__name__}: {e}").logged(worker_log, "job job_x", e)
+    problem = shown.to_problem()  # what the worker records on the job, or answers a dry run with
+    assert problem["code"] == "internal_error" and "KeyError" not in json.dumps(problem)
+    assert problem["correlation_id"] in caplog.text and "KeyError: 'ContentLength'" in caplog.text
+    # Through the API the worker's correlation id stays (it is not logged a second time).
+    rebuilt = CkptconvError.from_problem(problem)
+    body = json.loads(problem_response(rebuilt, "/v1/plans", method="POST").body)
+    assert body["correlation_id"] == problem["correlation_id"] and body["detail"] == problem["detail"]
+    # Client errors are shown as they are.
+    assert StorageError("x").public(worker_log, "w").message != "x"
+    assert ObjectNotFound("no object s3://b/k").public(worker_log, "w").message == "no object s3://b/k"

@@ -240,10 +240,10 @@ class JobRun:
             self._finish("failed", {"error": e.to_problem()})
         except CkptconvError as e:
             log.info("job %s failed: %s", self.job_id, e)
-            self._finish("failed", {"error": e.to_problem()})
+            self._finish("failed", {"error": e.public(log, f"job {self.job_id}").to_problem()})
         except Exception as e:
-            log.exception("job %s failed unexpectedly", self.job_id)
-            self._finish("failed", {"error": CkptconvError(f"internal error: {type(e).__name__}: {e}").to_problem()})
+            error = CkptconvError(f"unexpected {type(e).__name__}: {e}").logged(log, f"job {self.job_id}", e)
+            self._finish("failed", {"error": error.to_problem()})
         else:
             if not self.lease_lost.is_set():
                 self._finish("succeeded", {"result": result}, nbytes=int(result.get("bytes") or 0))
@@ -367,10 +367,10 @@ def _reply(reply_key: str, compute: Callable[[], Any]) -> None:
     try:
         doc = {"ok": True, "value": compute()}
     except CkptconvError as e:
-        doc = {"ok": False, "problem": e.to_problem()}
+        doc = {"ok": False, "problem": e.public(log, "interactive task").to_problem()}
     except Exception as e:
-        log.exception("interactive task failed")
-        doc = {"ok": False, "problem": CkptconvError(f"internal error: {type(e).__name__}: {e}").to_problem()}
+        error = CkptconvError(f"unexpected {type(e).__name__}: {e}").logged(log, "interactive task", e)
+        doc = {"ok": False, "problem": error.to_problem()}
     r = store().r
     pipe = r.pipeline(transaction=False)
     pipe.rpush(reply_key, json.dumps(doc, default=str))

@@ -13,6 +13,8 @@ This module imports nothing heavy: the API process uses it too.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any, ClassVar
 
 
@@ -49,16 +51,50 @@ class CkptconvError(Exception):
             body["hint"] = self.hint
         if instance:
             body["instance"] = instance
-        if self.details:
-            body["details"] = _jsonable(self.details)
+        details = dict(self.details)
+        correlation_id = details.pop("correlation_id", None)
+        if details:
+            body["details"] = _jsonable(details)
+        if correlation_id:
+            body["correlation_id"] = str(correlation_id)
         return body
 
     @classmethod
     def from_problem(cls, body: dict[str, Any]) -> CkptconvError:
         """Rebuild an error from a problem document (e.g. one stored on a failed job)."""
         klass = _BY_CODE.get(str(body.get("code")), CkptconvError)
-        err = klass(str(body.get("detail", "")), hint=body.get("hint"), **(body.get("details") or {}))
-        return err
+        details = dict(body.get("details") or {})
+        if body.get("correlation_id"):
+            details["correlation_id"] = body["correlation_id"]
+        return klass(str(body.get("detail", "")), hint=body.get("hint"), **details)
+
+    def public(self, log: logging.Logger, where: str) -> CkptconvError:
+        """What a client may see of this error: client errors (4xx) describe the request and are shown
+        as they are; a server error (5xx) is shown by :meth:`logged` (once: a worker's logged error
+        keeps its correlation id on its way through the API)."""
+        if self.http_status < 500 or "correlation_id" in self.details:
+            return self
+        return self.logged(log, where, self.__cause__ or (self if self.__traceback__ is not None else None))
+
+    def logged(self, log: logging.Logger, where: str, cause: BaseException | None = None) -> CkptconvError:
+        """This error as a client may see it, for failures on the service's side (5xx).
+
+        Logs everything (message, details, the cause's traceback) under a new correlation id and
+        returns an error of the same class that says only its title and that id: exception text,
+        endpoint URLs and other internals stay in the log.
+        """
+        correlation_id = "corr_" + uuid.uuid4().hex[:20]
+        log.error(
+            "%s %s [correlation id %s]: %s%s",
+            self.code,
+            where,
+            correlation_id,
+            self.message,
+            f" {self.details}" if self.details else "",
+            exc_info=cause,
+        )
+        message = f"{self.title}; the service logged the details under correlation id {correlation_id}"
+        return type(self)(message, correlation_id=correlation_id)
 
 
 def _jsonable(value: Any) -> Any:
