@@ -18,6 +18,10 @@ stored as a raw LZ4 block, as the filter itself does. The real loader reads any 
 the oracle tests load such files with cstorch 2.10); ``chunking="h5py"`` reproduces h5py's chunks
 for every dataset. Everything else (attribute names, HDF5 types and dataspaces, filters, JSON
 text) matches the real writer, and small tensors get exactly h5py's chunks.
+
+The ``contiguous`` layout (the default for S3 targets) stores every dataset uncompressed and
+unchunked, which ``cstorch.load`` and h5py read as well; it trades the LZ4 filter (rarely a gain
+on weights) for knowing every dataset's offset before the data arrives.
 """
 
 from __future__ import annotations
@@ -45,22 +49,33 @@ from ckptconv.core.errors import (
 from ckptconv.formats.base import Entry, OutputFile, TensorSource
 from ckptconv.formats.cs_base import CerebrasSink, decode_object, follow_link, full_tensor, needs_payload, release_of
 from ckptconv.formats.cs_h5_chunks import DEFAULT_CHUNK_BYTES, LZ4_FILTER_ID, ChunkWriter, slab_chunk_shape
+from ckptconv.formats.cs_h5_contiguous import (
+    LocalPlacement,
+    Region,
+    StreamedPlacement,
+    create_contiguous,
+    region_of,
+)
 from ckptconv.formats.cs_h5_io import H5File, damaged_as_corrupt
 from ckptconv.formats.cs_serializers import (
     FORMAT_VERSION,
     TORCH_TENSOR,
     Leaf,
+    array_metadata,
     check_unique_keys,
     numpy_dtype_name,
     parse_dtype,
     parse_key_record,
     parse_root_spec,
     root_spec_text,
+    stored_numpy_dtype,
+    tensor_metadata,
 )
 from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks
 from ckptconv.storage.local import ensure_parent_dir
+from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +280,13 @@ class CsH5Sink(CerebrasSink):
     """Writes a Cerebras H5 checkpoint, format 0.5, that ``cstorch.load`` 2.10 reads.
 
     Options:
-    - ``chunking``: ``"fast"`` (default; large slab chunks for tensors over ``small_tensor_bytes``)
-      or ``"h5py"`` (h5py's automatic chunks for every dataset, as cstorch writes them; slower);
+    - ``chunking``: ``"fast"`` (default for local targets; large slab chunks for tensors over
+      ``small_tensor_bytes``), ``"h5py"`` (h5py's automatic chunks for every dataset, as cstorch
+      writes them; slower) or ``"contiguous"`` (default for S3 targets: uncompressed contiguous
+      datasets allocated up front, see :mod:`ckptconv.formats.cs_h5_contiguous`; an S3 target is
+      then streamed as a multipart upload without a local copy, while the chunked layouts build
+      the whole file on local disk first and upload it at commit);
+    - ``part_size`` (16 MiB) and ``concurrency`` (4 parts in flight): the streamed upload;
     - ``chunk_bytes`` (1 MiB), ``small_tensor_bytes`` (1 MiB), ``threads`` (2): the fast path;
     - ``lz4``: ``"auto"`` (default: compress a large chunk only when samples of it compress, since
       weights seldom do), ``"always"`` (every chunk, as the HDF5 filter does) or ``"never"``;
@@ -275,16 +295,22 @@ class CsH5Sink(CerebrasSink):
     - ``fsync`` (True): flush the file to disk before publishing it.
 
     The file is written to ``{target}.{8 hex}.tmp`` beside a local target (a temporary directory
-    for a remote one, uploaded on commit) and published only by ``commit``.
+    for a remote one: the whole file for the chunked layouts, uploaded on commit; only the
+    metadata skeleton for the contiguous layout) and published only by ``commit``.
     """
 
     format = "cs-h5"
 
     def __init__(self, storage: Any, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
-        self.chunking = options.get("chunking", "fast")
-        if self.chunking not in ("fast", "h5py"):
-            raise ValueError(f"chunking must be 'fast' or 'h5py', not {self.chunking!r}")
+        remote = storage.local_path(uri) is None
+        self.chunking = options.get("chunking") or ("contiguous" if remote else "fast")
+        if self.chunking not in ("fast", "h5py", "contiguous"):
+            raise ValueError(f"chunking must be 'fast', 'h5py' or 'contiguous', not {self.chunking!r}")
+        self.part_size = int(options.get("part_size", DEFAULT_PART_SIZE))
+        self.concurrency = int(options.get("concurrency", DEFAULT_CONCURRENCY))
+        self._regions: dict[str, Region] = {}
+        self._placement: LocalPlacement | StreamedPlacement | None = None
         self.chunk_bytes = int(options.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
         self.small_tensor_bytes = int(options.get("small_tensor_bytes", 1 << 20))
         self.threads = int(options.get("threads", 2))
@@ -334,6 +360,38 @@ class CsH5Sink(CerebrasSink):
         # A sink dropped without commit() or abort() (or an interpreter exiting) still cleans up.
         self._finalizer = weakref.finalize(self, _remove_temp, self._tmp_path, self._tmp_dir)
         self._on_h5_thread(self._create, root_spec_text(spec))
+        if self.chunking == "contiguous":
+            self._regions = self._on_h5_thread(self._allocate)
+            if self._tmp_dir is None:
+                self._placement = LocalPlacement(self._tmp_path)
+            else:
+                from ckptconv.storage.part_upload import PartUpload, grid_part_size
+
+                end = max((r.offset + r.nbytes for r in self._regions.values()), default=0)
+                upload = PartUpload(
+                    self.storage,
+                    self.uri,
+                    part_size=grid_part_size(end, self.part_size),
+                    concurrency=self.concurrency,
+                )
+                self._placement = StreamedPlacement(self._tmp_path, upload, list(self._regions.values()))
+
+    def _allocate(self) -> dict[str, Region]:
+        """Create every numeric dataset now, contiguous and allocated (see cs_h5_contiguous)."""
+        assert self._file is not None
+        regions = {}
+        for e in self._todo:
+            if e.kind not in ("tensor", "array"):
+                continue
+            shape = tuple(e.shape or ())
+            md = tensor_metadata(e.dtype, shape) if e.kind == "tensor" else array_metadata(e.dtype == "bfloat16")
+            ds = create_contiguous(self._file, e.key, shape, np.dtype(stored_numpy_dtype(e.dtype)))
+            _set_attrs(ds, md)
+            region = region_of(ds)
+            if region is not None:
+                regions[e.key] = region
+        self._file.flush()
+        return regions
 
     def _create(self, spec_text: str) -> None:
         assert self._tmp_path is not None
@@ -356,6 +414,18 @@ class CsH5Sink(CerebrasSink):
         self._on_h5_thread(self._finish, self._record_texts())
         self._close_file()  # stops the HDF5 thread
         size = os.path.getsize(self._tmp_path)
+        if isinstance(self._placement, StreamedPlacement):
+            try:
+                self._placement.finish(self._tmp_path, size)
+            except BaseException:
+                self.abort()
+                raise
+            self._placement = None
+            self._cleanup_tmp()
+            return [OutputFile(self.uri, size, None, "data")]
+        if self._placement is not None:
+            self._placement.close()
+            self._placement = None
         if self.fsync:
             fd = os.open(self._tmp_path, os.O_RDONLY)
             try:
@@ -376,8 +446,15 @@ class CsH5Sink(CerebrasSink):
         return [OutputFile(self.uri, size, None, "data")]
 
     def abort(self) -> None:
-        self._close_file()
-        self._cleanup_tmp()
+        placement, self._placement = self._placement, None
+        try:
+            if placement is not None:
+                placement.close()
+                if isinstance(placement, StreamedPlacement):
+                    placement.upload.abort()
+        finally:
+            self._close_file()
+            self._cleanup_tmp()
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -417,7 +494,21 @@ class CsH5Sink(CerebrasSink):
         self._tmp_path = None
 
     def _store_numeric(self, entry: Entry, md: dict[str, Any], arr: np.ndarray) -> dict[str, Any]:
+        if self._placement is not None:
+            # Allocated at begin with these attributes: only the bytes remain to be placed.
+            region = self._regions.get(entry.key)
+            if region is not None:
+                self._placement.place(region, memoryview(arr.reshape(-1).view(np.uint8)))
+            elif arr.size:
+                # h5py allocates a 0-d dataset late whatever the property list says: HDF5 writes
+                # its few bytes now, outside every preallocated region.
+                self._on_h5_thread(self._write_late, entry.key, arr)
+            return md
         return self._on_h5_thread(self._numeric_dataset, entry, md, arr)
+
+    def _write_late(self, key: str, arr: np.ndarray) -> None:
+        assert self._file is not None
+        self._file[key][()] = arr
 
     def _store_object(self, key: str, md: dict[str, Any], payload: bytes) -> dict[str, Any]:
         return self._on_h5_thread(self._object_dataset, key, md, payload)

@@ -1,0 +1,146 @@
+"""The contiguous H5 layout: every numeric dataset allocated up front, so its bytes can go straight
+to their final place (a positioned write locally, a part of a multipart upload on S3).
+
+How: at ``begin`` every tensor/array dataset is created contiguous, uncompressed, with its space
+allocated at creation (``H5D_ALLOC_TIME_EARLY``) and its fill value never written. The file is
+then a sparse *skeleton*: HDF5 metadata plus holes where the data goes, at offsets
+``dset.id.get_offset()`` tells. Values arriving later are placed at those offsets; HDF5 never
+touches the holes, and the metadata it adds later (per-key records, object payloads, the
+``__SUCCESS__`` flag) lands outside them.
+
+On S3 (:class:`StreamedPlacement`) the output object is a grid of multipart parts. A part made of
+dataset bytes only is uploaded as soon as its bytes arrived; a part that holds any metadata byte
+(the head of the file, the gaps between datasets, everything after the last dataset) is written
+into the skeleton and uploaded from it at commit, once HDF5 closed the file. Local disk use is
+the metadata plus the dataset bytes that share a part with metadata, not the checkpoint.
+
+Locally (:class:`LocalPlacement`) the skeleton is the output file and every value is a
+``pwrite`` into it. Both produce the same bytes for the same input.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from ckptconv.storage.part_upload import PartUpload
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where one dataset's bytes live in the file."""
+
+    offset: int
+    nbytes: int
+
+
+def create_contiguous(f: h5py.File, key: str, shape: tuple[int, ...], dtype: np.dtype) -> h5py.Dataset:
+    """A contiguous dataset whose file space is allocated now and never filled by HDF5."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return f.create_dataset(key, shape=shape, dtype=dtype, dcpl=dcpl)
+
+
+def region_of(ds: h5py.Dataset) -> Region | None:
+    """The dataset's byte range in the file (None for an empty one, which has no storage)."""
+    offset = ds.id.get_offset()
+    if offset is None:
+        return None
+    return Region(int(offset), int(ds.id.get_storage_size()))
+
+
+class LocalPlacement:
+    """Positioned writes into the skeleton, which is the output file."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY)
+
+    def place(self, region: Region, data: memoryview) -> None:
+        _pwrite_all(self._fd, data, region.offset)
+
+    def finish(self, path: str, size: int) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class StreamedPlacement:
+    """Dataset bytes to a :class:`PartUpload`; parts that share bytes with metadata via the skeleton."""
+
+    def __init__(self, path: str, upload: PartUpload, regions: list[Region]) -> None:
+        self._fd = os.open(path, os.O_WRONLY)
+        self.upload = upload
+        self._pure = _pure_parts(regions, upload)
+
+    def place(self, region: Region, data: memoryview) -> None:
+        pos, end = region.offset, region.offset + region.nbytes
+        while pos < end:
+            number = self.upload.part_of(pos)
+            take = min(self.upload.part_bounds(number)[1], end) - pos
+            piece = data[pos - region.offset : pos - region.offset + take]
+            if number in self._pure:
+                self.upload.write_at(pos, piece)
+            else:
+                _pwrite_all(self._fd, piece, pos)
+            pos += take
+
+    def finish(self, path: str, size: int) -> None:
+        """Upload every part that is not made of dataset bytes alone from the closed skeleton."""
+        self.close()
+        with open(path, "rb") as f:
+            for number in range(1, self.upload.part_of(size - 1) + 1):
+                if number in self._pure:
+                    continue
+                start, end = self.upload.part_bounds(number)
+                end = min(end, size)
+                f.seek(start)
+                block = f.read(end - start)
+                if len(block) != end - start:
+                    raise OSError(f"{path}: short read at {start}")
+                self.upload.write_at(start, block)
+        self.upload.complete(size)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _pure_parts(regions: list[Region], upload: PartUpload) -> set[int]:
+    """Grid parts that lie entirely inside dataset bytes (adjacent datasets merged)."""
+    merged: list[list[int]] = []
+    for r in sorted(regions, key=lambda r: r.offset):
+        if r.nbytes == 0:
+            continue
+        if merged and r.offset <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], r.offset + r.nbytes)
+        else:
+            merged.append([r.offset, r.offset + r.nbytes])
+    pure: set[int] = set()
+    for start, end in merged:
+        first = upload.part_of(start)
+        if upload.part_bounds(first)[0] < start:
+            first += 1
+        number = first
+        while upload.part_bounds(number)[1] <= end:
+            pure.add(number)
+            number += 1
+    return pure
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+__all__ = ["LocalPlacement", "Region", "StreamedPlacement", "create_contiguous", "region_of"]

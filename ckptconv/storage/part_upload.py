@@ -1,0 +1,195 @@
+"""An S3 multipart upload whose parts are fixed byte ranges of the final object, filled in any order.
+
+:class:`~ckptconv.storage.s3.S3Writer` streams an object front to back. Formats whose byte layout
+is known before the data arrives (an H5 file with preallocated datasets, a safetensors file whose
+header gives every offset) can instead place each byte where it belongs: ``write_at(offset,
+data)``. The object is cut into a grid of parts of ``part_size`` bytes (part ``n`` covers
+``[(n-1)*part_size, n*part_size)``); a part is sent as soon as every one of its bytes has been
+written, by a pool of ``concurrency`` threads, and ``write_at`` waits while that many parts are in
+flight, so memory stays near ``(concurrency + open parts) * part_size``. Parts still being filled
+are buffered: a writer that fills the object roughly in order keeps one or two open.
+
+``complete(size)`` sends the last (possibly short) part and completes the upload create-only;
+every failure (including one in ``complete``) aborts the upload, and ``abort`` is idempotent, so
+a failed conversion leaves no incomplete upload behind. Retries follow the storage's policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ckptconv.core.errors import StorageError
+from ckptconv.storage.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from ckptconv.storage.s3 import S3Storage
+
+DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_CONCURRENCY = 4
+
+
+def grid_part_size(size_hint: int, part_size: int = DEFAULT_PART_SIZE) -> int:
+    """A part size (whole MiB, >= 5 MiB) whose grid covers ``size_hint`` bytes in fewer than
+    S3's 10,000 parts, with room for what a format adds after its data (metadata, a tail)."""
+    from ckptconv.storage.s3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE  # boto3 only when used
+
+    need = math.ceil(max(size_hint, 1) / (MAX_PARTS * 0.9))
+    size = max(part_size, MIN_PART_SIZE, need)
+    return min(MAX_PART_SIZE, -(-size // (1 << 20)) * (1 << 20))
+
+
+class PartUpload:
+    """One positioned multipart upload (see the module docstring). ``write_at`` is called from
+    one thread at a time; uploads run on the upload's own pool."""
+
+    def __init__(
+        self,
+        storage: S3Storage,
+        uri: str,
+        *,
+        part_size: int = DEFAULT_PART_SIZE,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        overwrite: bool = False,
+    ) -> None:
+        from ckptconv.storage.s3 import MAX_PART_SIZE, MIN_PART_SIZE
+
+        if part_size < MIN_PART_SIZE or part_size > MAX_PART_SIZE:
+            raise ValueError(f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}], not {part_size}")
+        self.uri = uri
+        self.part_size = part_size
+        self._storage = storage
+        self._bucket, self._key = storage._object(uri, writing=True)
+        self._overwrite = overwrite
+        self._open: dict[int, tuple[bytearray, int]] = {}  # part -> (buffer, bytes filled)
+        self._sent: set[int] = set()
+        self._futures: list[Future[dict[str, Any]]] = []
+        self._slots = threading.BoundedSemaphore(max(1, concurrency))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="s3-part")
+        self._state = "open"
+        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key}
+        if storage.part_checksums:
+            kwargs["ChecksumAlgorithm"] = "CRC32"
+        try:
+            self._upload_id: str = storage._call(uri, storage.client.create_multipart_upload, **kwargs)["UploadId"]
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
+
+    @property
+    def upload_id(self) -> str:
+        return self._upload_id
+
+    def part_bounds(self, number: int) -> tuple[int, int]:
+        """``[start, end)`` of part ``number`` (1-based) on the grid."""
+        return (number - 1) * self.part_size, number * self.part_size
+
+    def part_of(self, offset: int) -> int:
+        return offset // self.part_size + 1
+
+    def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Place ``data`` at ``offset``; every byte of the object must be written exactly once."""
+        if self._state != "open":
+            raise ValueError(f"write to a {self._state} upload of {self.uri}")
+        view = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(view):
+            number = self.part_of(offset + pos)
+            start, end = self.part_bounds(number)
+            take = min(end - (offset + pos), len(view) - pos)
+            if number in self._sent:
+                raise ValueError(f"{self.uri}: bytes at {offset + pos} written twice")
+            buf, filled = self._open.get(number) or (bytearray(self.part_size), 0)
+            at = offset + pos - start
+            buf[at : at + take] = view[pos : pos + take]
+            filled += take
+            pos += take
+            if filled == self.part_size:
+                self._open.pop(number, None)
+                self._send(number, buf)
+            else:
+                self._open[number] = (buf, filled)
+
+    def _send(self, number: int, body: bytearray | memoryview) -> None:
+        from ckptconv.storage.s3 import MAX_PARTS
+
+        if number > MAX_PARTS:
+            raise StorageError(f"{self.uri} needs more than {MAX_PARTS} parts of {self.part_size} bytes")
+        self._raise_failed()
+        self._slots.acquire()  # bounded: at most `concurrency` parts in memory in flight
+        self._sent.add(number)
+        try:
+            future = self._pool.submit(self._upload_part, number, body)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _f: self._slots.release())
+        self._futures.append(future)
+
+    def _raise_failed(self) -> None:
+        for f in self._futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
+    def _upload_part(self, number: int, body: bytearray | memoryview) -> dict[str, Any]:
+        s = self._storage
+        kwargs: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Key": self._key,
+            "UploadId": self._upload_id,
+            "PartNumber": number,
+            "Body": bytes(body) if isinstance(body, memoryview) else body,
+        }
+        if s.part_checksums:
+            kwargs["ChecksumAlgorithm"] = "CRC32"
+        # Re-sending a part replaces it: safe to retry whatever happened to the earlier try.
+        r = s._call(self.uri, s.client.upload_part, **kwargs)
+        part = {"PartNumber": number, "ETag": r["ETag"]}
+        if s.part_checksums and r.get("ChecksumCRC32"):
+            part["ChecksumCRC32"] = r["ChecksumCRC32"]
+        return part
+
+    def complete(self, size: int) -> ObjectInfo:
+        """Send the last part and complete the upload of an object of ``size`` bytes."""
+        if self._state != "open":
+            raise ValueError(f"complete of a {self._state} upload of {self.uri}")
+        try:
+            last = self.part_of(size - 1)
+            start, _ = self.part_bounds(last)
+            tail = self._open.pop(last, None)
+            if tail is not None and tail[1] == size - start:
+                self._send(last, memoryview(tail[0])[: size - start])
+            missing = [n for n in range(1, last + 1) if n not in self._sent]
+            if missing or self._open:
+                raise StorageError(
+                    f"{self.uri}: parts {missing[:5] or sorted(self._open)[:5]} were not completely written"
+                )
+            parts = sorted((f.result() for f in self._futures), key=lambda p: p["PartNumber"])
+            r = self._storage.complete_upload(
+                self.uri, self._bucket, self._key, self._upload_id, parts, overwrite=self._overwrite
+            )
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "completed"
+        self._pool.shutdown(wait=True)
+        etag = r.get("ETag")
+        return ObjectInfo(uri=self.uri, size=size, etag=etag.strip('"') if etag else None)
+
+    def abort(self) -> None:
+        """Abort the upload (after the parts in flight ended, or S3 might keep them); idempotent."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._open.clear()
+        for f in self._futures:
+            with contextlib.suppress(BaseException):
+                f.result()
+        self._pool.shutdown(wait=True)
+        self._storage._abort_upload(self._bucket, self._key, self._upload_id, self.uri)
+
+
+__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "PartUpload", "grid_part_size"]
