@@ -55,8 +55,8 @@ class FaultProxy:
         self.stall_s = stall_s
         self.counts: collections.Counter[str] = collections.Counter()
         self.requests = 0
-        # Called with (method, lower-cased headers) for every request: tests record what was asked.
-        self.on_request: Callable[[str, dict[str, str]], None] | None = None
+        # Called with (method, path, lower-cased headers) for every request: tests record what was asked.
+        self.on_request: Callable[[str, str, dict[str, str]], None] | None = None
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._server: socketserver.ThreadingTCPServer | None = None
@@ -117,7 +117,7 @@ class FaultProxy:
                     return
                 method, target, headers, body = request
                 if self.on_request is not None:
-                    self.on_request(method, {k.lower(): v for k, v in headers})
+                    self.on_request(method, target, {k.lower(): v for k, v in headers})
                 fault = self._pick()
                 is_head = method == "HEAD"
                 if fault == "error":

@@ -134,7 +134,7 @@ def test_a_reset_mid_body_rereads_only_the_rest_of_the_range(direct, s3_bucket, 
     direct.write_bytes(f"s3://{s3_bucket}/blob", data)
     proxy = proxy_factory(rate=0.5, faults=("reset",), seed=3)
     ranges: list[str] = []
-    proxy.on_request = lambda method, headers: ranges.append(headers.get("range", ""))
+    proxy.on_request = lambda method, path, headers: ranges.append(headers.get("range", ""))
     storage = S3Storage(proxy.url, max_attempts=20)
     assert storage.read_range(f"s3://{s3_bucket}/blob", 1000, 10 * MiB) == data[1000 : 1000 + 10 * MiB]
     gets = [r for r in ranges if r]

@@ -24,7 +24,7 @@ def recorded(s3_server, monkeypatch):
     proxy = FaultProxy(s3_server)
     proxy.start()
     seen: list[tuple[str, str]] = []
-    proxy.on_request = lambda method, headers: seen.append((method, headers.get("range", "")))
+    proxy.on_request = lambda method, path, headers: seen.append((method, headers.get("range", "")))
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     yield proxy, seen
     proxy.stop()

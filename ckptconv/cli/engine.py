@@ -64,7 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-size", help="split the output into shards of at most this size (e.g. 5GB, 500MiB)")
     p.add_argument("--shard-by", action="append", metavar="GLOB", help=SHARD_BY_HELP)
     p.add_argument("--dtype", type=dtype_arg, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
-    p.add_argument("--no-verify", action="store_true", help="skip re-reading the output (not recommended)")
+    p.add_argument("--no-verify", action="store_true", help="skip verification (not recommended)")
+    p.add_argument(
+        "--full-verify",
+        action="store_true",
+        help="re-read the whole output and compare every entry (default: compare hashes taken as read and as written)",
+    )
     p.add_argument("--memory-budget", help=MEMORY_BUDGET_HELP)
     p.add_argument("--no-progress", "--no-progress-bar", action="store_true", help="no progress bar")
     p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
@@ -169,7 +174,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             shard_by=args.shard_by,
             dtype=args.dtype,
             progress=bar,
-            verify=not args.no_verify,
+            verify=False if args.no_verify else ("full" if args.full_verify else "hashes"),
             allow_incomplete=args.allow_incomplete or None,
             memory_budget=args.memory_budget,
         )

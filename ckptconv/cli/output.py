@@ -66,7 +66,12 @@ def print_result(result: dict[str, Any], as_json: bool) -> None:
     for o in result["outputs"]:
         print(f"  {o['role']:<7} {o['uri']}  {human_size(o['size'])}  sha256 {(o['sha256'] or '')[:16]}")
     print(f"  manifest {result['manifest']}")
-    if verify.get("ok"):
+    if verify.get("ok") and verify.get("mode") == "hashes":
+        print(
+            f"verified: OK, {verify['entries_checked']} entries hashed as read and as written matched"
+            f" ({verify.get('hash')}; --full-verify re-reads the output)"
+        )
+    elif verify.get("ok"):
         print(f"verified: OK, {verify['entries_checked']} entries re-read and matched ({verify.get('hash')})")
     elif verify.get("skipped"):
         print("verified: skipped (--no-verify)")

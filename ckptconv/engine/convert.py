@@ -91,7 +91,7 @@ def convert(
     progress: Callable[[Progress], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     job_id: str | None = None,
-    verify: bool = True,
+    verify: bool | str = True,
     allow_incomplete: bool | None = None,
     shard_by: list[str] | None = None,
     memory_budget: int | str | None = None,

@@ -53,6 +53,7 @@ from ckptconv.engine.execute import (
     Progress,
     ProgressFn,
     ProgressReporter,
+    check_written,
     execute,
     verify_output,
 )
@@ -266,7 +267,7 @@ def run_plan(
     progress: ProgressFn | None = None,
     cancelled: CancelFn | None = None,
     job_id: str | None = None,
-    verify: bool = True,
+    verify: bool | str = True,
     extras: dict[str, Any] | None = None,
     sink_factory: Callable[..., TensorSink] | None = None,
     reopen: Callable[[Storage, str], TensorSource] | None = None,
@@ -274,6 +275,9 @@ def run_plan(
 ) -> ConvertResult:
     """Execute ``plan`` from ``src`` into format ``to`` at ``target``; verify; publish atomically.
 
+    ``verify``: ``"hashes"`` (the default, also ``True``) compares the hashes of what was written
+    with those of what was read, without reading the output again; ``"full"`` reopens the output
+    and compares every entry; ``False`` (or ``"off"``) skips verification.
     ``extra_files`` maps paths relative to the target's parent (e.g. ``config_to_cs-2.9.yaml`` or
     ``x_to_hf/config.json``) to their bytes; they are staged and published with the checkpoint.
     ``sink_factory`` (called as the format's sink class is, with ``sink_options``) and ``reopen``
@@ -300,8 +304,16 @@ def run_plan(
     sink = (sink_factory or sink_class(to))(storage, layout.sink_uri, **options)
     t0 = time.monotonic()
     try:
+        mode = verify_mode(verify)
+        read_digests: dict[str, str] = {}
         digests = execute(
-            plan, src, sink, reporter=reporter, cancelled=cancelled, read_ahead=memory["read_ahead_bytes"]
+            plan,
+            src,
+            sink,
+            reporter=reporter,
+            cancelled=cancelled,
+            read_ahead=memory["read_ahead_bytes"],
+            read_digests=read_digests if mode == "hashes" else None,
         )
         outputs = list(sink.commit())
     except BaseException:
@@ -319,7 +331,12 @@ def run_plan(
             # File checksums read the staged files while verification re-reads the tensors.
             hashed = pool.submit(_fill_sha256, storage, outputs)
             report = None
-            if verify:
+            if mode == "hashes":
+                reporter.stage("verifying", plan.tensors_total, plan.bytes_total)
+                report = check_written(plan, digests, read_digests)
+                reporter.advance(plan.tensors_total, plan.bytes_total)
+                reporter.finish()
+            if mode == "full":
                 reopened = (reopen or source_class(to))(storage, layout.sink_uri)
                 try:
                     report = verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)
@@ -367,6 +384,20 @@ def run_plan(
     result.timings["publish_s"] = round(time.monotonic() - t0 - sum(timings.values()), 3)
     reporter.complete("done", plan.tensors_total, plan.bytes_total)
     return result
+
+
+VERIFY_MODES = ("hashes", "full", "off")
+
+
+def verify_mode(verify: bool | str) -> str:
+    """``hashes``, ``full`` or ``off`` from a run's ``verify`` argument (``True`` means ``hashes``)."""
+    if verify is True:
+        return "hashes"
+    if verify is False or verify is None:
+        return "off"
+    if verify not in VERIFY_MODES:
+        raise InvalidRequest(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
+    return verify
 
 
 def _abort(sink: Any, storage: Storage, layout: _Layout) -> None:

@@ -26,6 +26,7 @@ on weights) for knowing every dataset's offset before the data arrives.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -432,18 +433,23 @@ class CsH5Sink(CerebrasSink):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        sha256 = None
         try:
             if self._tmp_dir is None:
                 self.storage.publish([(self._tmp_path, self.uri)])
             else:
+                # Hashed as it is uploaded: nobody has to read the object back for its checksum.
+                digest = hashlib.sha256()
                 with open(self._tmp_path, "rb") as src, self.storage.open_writer(self.uri) as w:
                     for block in read_blocks(src):
+                        digest.update(block)
                         w.write(block)
+                sha256 = digest.hexdigest()
         except BaseException:
             self.abort()
             raise
         self._cleanup_tmp()
-        return [OutputFile(self.uri, size, None, "data")]
+        return [OutputFile(self.uri, size, sha256, "data")]
 
     def abort(self) -> None:
         placement, self._placement = self._placement, None

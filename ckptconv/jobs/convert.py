@@ -20,6 +20,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         shard_size=ctx.options.shard_size,
         dtype=ctx.options.dtype,
         memory_budget=ctx.options.memory_budget,
+        verify=ctx.options.verify,
         progress=ctx.progress,
         cancelled=ctx.cancelled,
         job_id=ctx.job_id,

@@ -129,6 +129,11 @@ class ConvertOptions(KindOptions):
     dtype: FloatDtype | None = Field(
         default=None, description="cast floating-point tensors to this dtype (integer tensors keep theirs)"
     )
+    verify: Literal["hashes", "full"] = Field(
+        default="hashes",
+        description="hashes: compare the hashes of every value as read and as written (no second read);"
+        " full: also re-read the whole output and compare every entry",
+    )
     memory_budget: Size | None = Field(
         default=None,
         description="bytes the conversion may hold (at least twice the largest tensor plus 300 MB; the plan"

@@ -1,0 +1,67 @@
+"""Verification modes: by default hashes taken as values are read and as they are written (no
+second read of the output); ``verify: full`` re-reads the output and compares every entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from faultproxy import FaultProxy
+from safetensors.torch import save
+
+from ckptconv.core.errors import VerificationFailed
+from ckptconv.engine.convert import convert
+from ckptconv.engine.plan import identity_plan
+from ckptconv.engine.run import run_plan
+from ckptconv.formats import sink_class
+from ckptconv.formats.detect import open_source
+from ckptconv.storage.s3 import S3Storage
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return {f"w{i}": torch.randn(256, 256, generator=g) for i in range(5)}
+
+
+@pytest.mark.parametrize("mode", ["hashes", "full"])
+def test_only_full_verification_reads_the_output_again(mode, s3_server, s3_bucket, monkeypatch):
+    S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/src/model.safetensors", save(_tensors()))
+    with FaultProxy(s3_server) as proxy:
+        gets: list[str] = []
+        proxy.on_request = lambda method, path, headers: method == "GET" and gets.append(path)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        result = convert(
+            f"s3://{s3_bucket}/src/model.safetensors", f"s3://{s3_bucket}/out/{mode}.mdl", to="cs-h5", verify=mode
+        )
+    assert result.verify["ok"] and result.verify["mode"] == mode
+    assert result.verify["entries_checked"] == 5
+    assert all(o.sha256 for o in result.outputs)  # hashed while uploading
+    output_reads = [p for p in gets if p.split("?")[0].endswith(".mdl") and "/.ckptconv-staging/" in p]
+    if mode == "hashes":
+        assert output_reads == [], output_reads
+    else:
+        assert output_reads
+
+
+class _ZeroingSink:
+    """A faulty sink: it damages what it is given (in place) while writing it."""
+
+    def __init__(self, storage, uri, **options):
+        self._sink = sink_class("safetensors")(storage, uri, **options)
+
+    def __getattr__(self, name):
+        return getattr(self._sink, name)
+
+    def write(self, key, value):
+        self._sink.write(key, value)
+        if key == "w3":
+            value.zero_()
+
+
+def test_hash_verification_catches_a_sink_that_alters_values(tmp_path):
+    src_path = tmp_path / "src.safetensors"
+    src_path.write_bytes(save(_tensors()))
+    with open_source(str(src_path)) as src:
+        plan = identity_plan(src.entries(), src.spec)
+        with pytest.raises(VerificationFailed, match="w3"):
+            run_plan(plan, src, to="safetensors", target=str(tmp_path / "out"), sink_factory=_ZeroingSink)
+    assert not (tmp_path / "out").exists()
