@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -216,3 +217,49 @@ def test_inconsistent_metadata_is_refused_typed(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpoint):
         convert(str(d), str(tmp_path / "x.mdl"), to="cs-h5")
     assert not (tmp_path / "x.mdl").exists()
+
+
+def test_metadata_that_lies_about_chunks_or_types_is_refused_typed(tmp_path: Path) -> None:
+    base = save_dcp(_state(), tmp_path / "base", CHUNKS)
+
+    def bad(name: str, edit) -> Path:
+        d = tmp_path / name
+        shutil.copytree(base, d)
+        _rewrite_metadata(d, edit)
+        return d
+
+    def bias(m):
+        return m.state_dict_metadata["model.proj.bias"]
+
+    def overlap(m) -> None:  # chunks [0:2] [2:4] [2:4] [6:7]: volumes add up to 7, [4:6] never saved
+        bias(m).chunks[2].offsets = torch.Size([2])
+
+    def index_key(m, **fields) -> None:
+        index = next(iter(m.storage_data))
+        info = m.storage_data.pop(index)
+        for name, value in fields.items():
+            object.__setattr__(index, name, value)  # frozen dataclass
+        m.storage_data[index] = info
+
+    def huge(m) -> None:  # one chunk claiming 2**62 elements: refused before any allocation
+        bias(m).size = torch.Size([2**62])
+        bias(m).chunks = bias(m).chunks[:1]
+        bias(m).chunks[0].sizes = torch.Size([2**62])
+
+    def shadow(m) -> None:  # a field named like the record's own method
+        m.__dict__["get"] = "x"
+
+    edits = {
+        "overlap": (overlap, "overlap"),
+        "size_text": (lambda m: setattr(bias(m), "size", ("a",)), "size of 'model.proj.bias'"),
+        "sizes_float": (lambda m: setattr(bias(m).chunks[0], "sizes", (2.0,)), "chunk sizes"),
+        "offsets_text": (lambda m: setattr(bias(m).chunks[0], "offsets", ("a",)), "chunk offsets"),
+        "chunks_int": (lambda m: setattr(bias(m), "chunks", 5), "no list of chunks"),
+        "index_offset_int": (lambda m: index_key(m, offset=5), "record offsets"),
+        "index_fqn_list": (lambda m: index_key(m, fqn=("x",)), "not a string"),
+        "huge": (huge, "more than the checkpoint's files hold"),
+        "shadow": (shadow, "unexpected state"),
+    }
+    for name, (edit, message) in edits.items():
+        with pytest.raises(CorruptCheckpoint, match=re.escape(message)):
+            open_source(str(bad(name, edit)))

@@ -19,7 +19,8 @@ Reading never calls ``pickle.load`` or ``torch.load``:
 
 ``read(key)`` allocates the tensor once and copies each chunk into its place, one chunk at a
 time: memory is the tensor plus its largest chunk, whatever the number of ranks. Chunks must lie
-inside the tensor and cover it exactly (their volumes add up to the tensor's), else the checkpoint
+inside the tensor and cover it exactly (no two overlap, their volumes add up to the tensor's), and a
+tensor may not need more bytes than the checkpoint's files hold, else the checkpoint
 is refused as corrupt. The keys are DCP's flattened names, in a flat dict (the nesting recorded in
 ``planner_data`` is not rebuilt). Records written with DCP's stream extensions (compression) are
 refused with a hint.
@@ -147,33 +148,52 @@ class DcpSource(TensorSource):
             if offset + length > self._sizes[file]:
                 raise CorruptCheckpoint(f"{file}: a record runs past the end of the file")
             fqn, chunk_offsets = index.get("fqn"), index.get("offset")
-            key = (fqn, tuple(chunk_offsets) if chunk_offsets is not None else None)
-            out[key] = _Chunk(key[1] or (), (), file, offset, length)
+            if not isinstance(fqn, str):
+                raise CorruptCheckpoint(f"{self.metadata_uri}: the storage index names a key that is not a string")
+            dims = None if chunk_offsets is None else self._dims(chunk_offsets, f"the record offsets of {fqn!r}")
+            out[(fqn, dims)] = _Chunk(dims or (), (), file, offset, length)
         return out
+
+    def _dims(self, value: Any, what: str) -> tuple[int, ...]:
+        """A size or offsets from the metadata: non-negative plain integers, else corrupt."""
+        if not isinstance(value, tuple | list) or not all(type(i) is int and i >= 0 for i in value):
+            raise CorruptCheckpoint(f"{self.metadata_uri}: {what}: expected non-negative integers, found {value!r:.80}")
+        return tuple(value)
 
     def _tensor(self, key: str, md: DcpTensorStorage, where: dict[Any, _Chunk]) -> Entry:
         props = md.get("properties")
-        shape = md.get("size")
-        if not isinstance(props, DcpTensorProperties) or not isinstance(shape, tuple):
+        if not isinstance(props, DcpTensorProperties) or md.get("size") is None:
             raise CorruptCheckpoint(f"{self.metadata_uri}: {key!r} has no dtype or size")
+        shape = self._dims(md.size, f"the size of {key!r}")
         if props.get("layout") not in (None, "torch.strided"):
             raise UnsupportedFormat(f"{self.metadata_uri}: {key!r} is a {props.layout} tensor; only dense ones convert")
         if not isinstance(props.get("dtype"), TorchDtype):
             raise CorruptCheckpoint(f"{self.metadata_uri}: {key!r} has no dtype")
         import torch
 
-        dtype = dtype_name(getattr(torch, props.dtype.name))  # an alias (torch.float) by its name (float32)
+        torch_dtype = getattr(torch, props.dtype.name)
+        dtype = dtype_name(torch_dtype)  # an alias (torch.float) by its name (float32)
+        # Every element is stored at least once (stream extensions are refused): a size beyond the
+        # checkpoint's bytes is a lie, refused before anything is allocated for it.
+        nbytes = math.prod(shape) * torch_dtype.itemsize
+        if nbytes > sum(self._sizes.values()):
+            raise CorruptCheckpoint(
+                f"{self.metadata_uri}: {key!r} of size {list(shape)} needs {nbytes} bytes, more than the "
+                f"checkpoint's files hold"
+            )
+        listed = md.get("chunks")
+        if not isinstance(listed, list | tuple):
+            raise CorruptCheckpoint(f"{self.metadata_uri}: {key!r} has no list of chunks")
         chunks = []
         covered = 0
-        for c in md.get("chunks") or []:
+        for c in listed:
             if not isinstance(c, DcpChunk):
                 raise CorruptCheckpoint(f"{self.metadata_uri}: {key!r} lists something else as a chunk")
-            offsets, sizes = c.get("offsets"), c.get("sizes")
-            if not isinstance(offsets, tuple) or not isinstance(sizes, tuple) or len(offsets) != len(shape):
+            offsets = self._dims(c.get("offsets"), f"the chunk offsets of {key!r}")
+            sizes = self._dims(c.get("sizes"), f"the chunk sizes of {key!r}")
+            if len(offsets) != len(shape) or len(sizes) != len(shape):
                 raise CorruptCheckpoint(f"{self.metadata_uri}: a chunk of {key!r} has a bad shape")
-            if len(sizes) != len(shape) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)
-            ):
+            if any(o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)):
                 raise CorruptCheckpoint(f"{self.metadata_uri}: a chunk of {key!r} lies outside its {list(shape)}")
             loc = where.get((key, offsets))
             if loc is None:
@@ -186,6 +206,7 @@ class DcpSource(TensorSource):
                 f"has {math.prod(shape)}",
                 hint="a rank's files may be missing, or the checkpoint was not finished",
             )
+        _refuse_overlaps(self.metadata_uri, key, chunks)
         self._chunks[key] = chunks
         return Entry(key, "tensor", dtype, shape)
 
@@ -265,3 +286,22 @@ class DcpSource(TensorSource):
 
     def close(self) -> None:
         self._local.close()
+
+
+def _refuse_overlaps(where: str, key: str, chunks: list[_Chunk]) -> None:
+    """Chunks inside a tensor whose volumes add up to it cover it only if no two overlap: else some
+    elements are never written and the output would carry uninitialized memory. Swept along dim 0
+    (how FSDP shards), so chunks that split dim 0 compare only with their neighbours."""
+    boxes = sorted((c for c in chunks if math.prod(c.sizes)), key=lambda c: c.offsets[:1])
+    active: list[_Chunk] = []
+    for c in boxes:
+        start = c.offsets[0] if c.offsets else 0
+        active = [a for a in active if not a.offsets or a.offsets[0] + a.sizes[0] > start]
+        for a in active:
+            if all(o < p + t and p < o + s for o, s, p, t in zip(c.offsets, c.sizes, a.offsets, a.sizes, strict=True)):
+                raise CorruptCheckpoint(
+                    f"{where}: the chunks of {key!r} at {list(a.offsets)} and {list(c.offsets)} overlap, so "
+                    "part of the tensor is not saved",
+                    hint="a rank's files may be missing, or the checkpoint was not finished",
+                )
+        active.append(c)

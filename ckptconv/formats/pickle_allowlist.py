@@ -405,7 +405,8 @@ class DcpRecord:
                 if isinstance(part, dict):
                     merged.update(part)
             state = merged
-        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        # A field named like a method of the record (``get``) would shadow it: refused too.
+        if not isinstance(state, dict) or not all(isinstance(k, str) and not hasattr(type(self), k) for k in state):
             raise CorruptCheckpoint(f"DCP metadata: a {type(self).__name__} has an unexpected state")
         self.__dict__.update(state)
 
