@@ -288,3 +288,12 @@ def test_a_workers_server_error_reaches_the_client_as_its_correlation_id_only(ca
     # Client errors are shown as they are.
     assert StorageError("x").public(worker_log, "w").message != "x"
     assert ObjectNotFound("no object s3://b/k").public(worker_log, "w").message == "no object s3://b/k"
+
+
+def test_the_edge_asks_for_a_key_exactly_where_the_routes_do() -> None:
+    from service.edges import needs_key
+
+    doc = json.loads((Path(__file__).resolve().parent.parent / "openapi" / "openapi.json").read_text())
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            assert ("401" in op["responses"]) == needs_key(path), (method, path)
