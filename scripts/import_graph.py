@@ -3,9 +3,10 @@
     python scripts/import_graph.py [--list]
 
 Counts every import of a project module (ckptconv, service, worker), at module level or inside a
-function. A circle is a strongly connected component of more than one module; a package's
-``__init__`` counts as a module, so a submodule importing its own package's re-exports closes one.
-``--list`` prints each function-level project import with its place.
+function; imports under ``if TYPE_CHECKING:`` are for annotations only and never run. A circle is
+a strongly connected component of more than one module; a package's ``__init__`` counts as a
+module, so a submodule importing its own package's re-exports closes one. ``--list`` prints each
+function-level project import with its place.
 """
 
 from __future__ import annotations
@@ -51,11 +52,16 @@ def graph(root: Path) -> tuple[dict[str, set[str]], list[tuple[str, int, str]]]:
         tree = ast.parse(path.read_text())
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         in_function: set[int] = set()
-        for func in ast.walk(tree):
-            if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
-                in_function.update(id(n) for n in ast.walk(func) if isinstance(n, ast.Import | ast.ImportFrom))
+        type_only: set[int] = set()
+        for block in ast.walk(tree):
+            if isinstance(block, ast.FunctionDef | ast.AsyncFunctionDef):
+                in_function.update(id(n) for n in ast.walk(block) if isinstance(n, ast.Import | ast.ImportFrom))
+            elif isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test):
+                type_only.update(
+                    id(n) for s in block.body for n in ast.walk(s) if isinstance(n, ast.Import | ast.ImportFrom)
+                )
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Import | ast.ImportFrom):
+            if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in type_only:
                 continue
             names = [n for n in imported_names(node, package) if n.split(".")[0] in PACKAGES]
             targets = {resolve(n) for n in names} - {None, mod}

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from ckptconv.core.errors import ConfigConversionError
-from ckptconv.engine.layouts import convert_config, convert_config_dict
+from ckptconv.engine.layouts.api import convert_config, convert_config_dict
 
 LLAMA_HF = {
     "model_type": "llama",

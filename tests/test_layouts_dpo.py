@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
-from ckptconv.engine.layouts import convert_config_dict, convert_model, plan_model
+from ckptconv.engine.layouts.api import convert_config_dict, convert_model, plan_model
 from ckptconv.engine.layouts.registry import describe_model, list_models
 
 transformers = pytest.importorskip("transformers")

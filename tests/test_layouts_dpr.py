@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from ckptconv.core.errors import CkptconvError, ConfigConversionError, NoConversionPath
-from ckptconv.engine.layouts import convert_model, plan_model
+from ckptconv.engine.layouts.api import convert_model, plan_model
 
 transformers = pytest.importorskip("transformers")
 

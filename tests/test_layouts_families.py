@@ -30,7 +30,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 T = transformers
 
-from ckptconv.engine.layouts import convert_model  # noqa: E402
+from ckptconv.engine.layouts.api import convert_model  # noqa: E402
 
 L, H, NH, V, P = 2, 64, 4, 256, 128  # layers, hidden, heads, vocab, positions
 

@@ -12,7 +12,7 @@ import yaml
 from tiny_models import tiny_llama_config
 
 from ckptconv.core.errors import ConfigConversionError, ConversionError
-from ckptconv.engine.layouts import convert_model
+from ckptconv.engine.layouts.api import convert_model
 from ckptconv.engine.layouts.folding import is_mup, mup_fold
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from ckptconv.engine.layouts import convert_model, plan_model
+from ckptconv.engine.layouts.api import convert_model, plan_model
 
 transformers = pytest.importorskip("transformers")
 T = transformers

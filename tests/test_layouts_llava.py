@@ -19,8 +19,7 @@ import torch
 import yaml
 
 from ckptconv.core.errors import ConfigConversionError, ConversionError, NoConversionPath, UnmatchedKeys
-from ckptconv.engine.layouts import convert_model, plan_model
-from ckptconv.engine.layouts.api import convert_config_dict
+from ckptconv.engine.layouts.api import convert_config_dict, convert_model, plan_model
 
 transformers = pytest.importorskip("transformers")
 

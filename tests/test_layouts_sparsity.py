@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ckptconv.core.errors import SparsityStateError
-from ckptconv.engine.layouts import convert_config_dict, convert_model, plan_model
-from ckptconv.engine.layouts.planner import Request, build_plan
+from ckptconv.engine.layouts.api import convert_config_dict, convert_model, plan_model
+from ckptconv.engine.layouts.models import build_plan
+from ckptconv.engine.layouts.planner import Request
 from ckptconv.engine.simulator.checkpoint_io import open_checkpoint, read_checkpoint, write_checkpoint
 
 LAYER = "transformer_decoder.layers.0."

@@ -40,7 +40,7 @@ import yaml
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
 from ckptconv.core.releases import RELEASES, release_key
-from ckptconv.engine.layouts import convert_model
+from ckptconv.engine.layouts.api import convert_model
 from ckptconv.engine.layouts.registry import families, resolve
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import yaml
 
 from ckptconv.core.errors import DataloaderStateError, NoConversionPath
 from ckptconv.core.releases import known_release
-from ckptconv.engine.layouts import convert_config_dict, convert_model, plan_model
+from ckptconv.engine.layouts.api import convert_config_dict, convert_model, plan_model
 from ckptconv.engine.layouts.registry import families
 from ckptconv.engine.layouts.upgrades import find_path, parse_format, rename_key
 

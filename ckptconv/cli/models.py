@@ -176,8 +176,7 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
         "fold_mup": not args.no_fold_mup,
     }
     if args.dry_run:
-        from ckptconv.engine.layouts import plan_model
-        from ckptconv.engine.layouts.api import open_model_source
+        from ckptconv.engine.layouts.api import open_model_source, plan_model
 
         src = open_model_source(args.source, args.model, args.src_fmt)
         try:
@@ -189,7 +188,7 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
         print()
         return 2 if plan.unmatched and not args.drop_unmatched_keys else 0
 
-    from ckptconv.engine.layouts import convert_model
+    from ckptconv.engine.layouts.api import convert_model
 
     bar = ProgressBar(not args.no_progress)
     try:
@@ -235,7 +234,7 @@ def _simulate(args: argparse.Namespace, result: Any) -> dict[str, Any]:
 
 
 def cmd_convert_config(args: argparse.Namespace) -> int:
-    from ckptconv.engine.layouts import convert_config
+    from ckptconv.engine.layouts.api import convert_config
 
     out = convert_config(
         args.config,

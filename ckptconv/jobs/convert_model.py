@@ -38,7 +38,7 @@ def _options(ctx: JobContext) -> dict[str, Any]:
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.layouts import convert_model
+    from ckptconv.engine.layouts.api import convert_model
 
     out_dir, safetensors = _target(ctx)
     result = convert_model(
@@ -81,8 +81,7 @@ def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:
 
 
 def plan(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.layouts import plan_model
-    from ckptconv.engine.layouts.api import open_model_source, planned_target
+    from ckptconv.engine.layouts.api import open_model_source, plan_model, planned_target
 
     out_dir, _ = _target(ctx)
     o = ctx.options

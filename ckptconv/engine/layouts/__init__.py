@@ -2,30 +2,15 @@
 
 Each model family is a data table (``families/*.yaml``): key patterns with placeholders, tensor
 transforms, config field mappings. A conversion is a path through the release graph
-(``upgrades``), planned before any data moves (``planner``) and executed by the engine.
+(``upgrades``), planned before any data moves and executed by the engine. Modules, bottom up:
 
-Entry points (imported lazily so ``import ckptconv.engine.layouts`` stays cheap and torch-free):
+- ``expr``, ``rules``, ``transforms``, ``config`` (config field hooks), ``registry`` (the tables),
+  ``upgrades`` (the release graph, format names), ``folding``, ``sparsity``;
+- ``views`` (a checkpoint under other key names), ``planner`` (one family's plan);
+- ``composite`` (parts planned by their families), ``dpo`` (a wrapper), ``dpr``, ``llava``
+  (composites), ``models`` (which planner a model name goes to);
+- ``config_files`` (reading config files), ``api``: the entry points :func:`~.api.plan_model`,
+  :func:`~.api.convert_model`, :func:`~.api.convert_config`, and ``registry.list_models``.
 
-- :func:`plan_model` -- dry run: matched / unmatched keys, converted config, warnings;
-- :func:`convert_model` -- convert a checkpoint (and its config) into Model Zoo named outputs;
-- :func:`convert_config` -- convert a config file alone;
-- :func:`list_models` -- every model name with its family and formats (torch-free).
+Importing this package imports nothing; ``registry`` and ``upgrades`` are torch-free.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["convert_config", "convert_config_dict", "convert_model", "list_models", "plan_model"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("convert_model", "plan_model", "convert_config", "convert_config_dict"):
-        from ckptconv.engine.layouts import api
-
-        return getattr(api, name)
-    if name == "list_models":
-        from ckptconv.engine.layouts.registry import list_models
-
-        return list_models
-    raise AttributeError(name)

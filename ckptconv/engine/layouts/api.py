@@ -17,17 +17,16 @@ Deviations from the Model Zoo, on purpose:
 from __future__ import annotations
 
 import functools
-import json
 import posixpath
 import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.core.errors import ConfigConversionError, InvalidRequest, NoConversionPath, ObjectNotFound
-from ckptconv.engine.layouts import dpo, dpr, llava, upgrades
+from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config import dump_cs_yaml, dump_hf_json
-from ckptconv.engine.layouts.planner import ConfigResult, Request, build_plan, convert_config_doc
-from ckptconv.engine.layouts.registry import resolve
+from ckptconv.engine.layouts.config_files import find_hf_config, load_config
+from ckptconv.engine.layouts.models import COMPOSITES, build_plan, convert_config_dict
+from ckptconv.engine.layouts.planner import ConfigResult, Request
 from ckptconv.engine.layouts.upgrades import parse_model_format
 from ckptconv.engine.plan import Plan
 
@@ -36,63 +35,9 @@ if TYPE_CHECKING:  # for annotations only: planning and listing never load the r
     from ckptconv.engine.run import ConvertResult
 
 DEFAULT_HF_SHARD_SIZE = "10GB"
-# Models whose Hugging Face side is several model directories, by name: their module says which
-# (``COMPONENTS``) and writes each directory's config files (``hf_config_files``).
-COMPOSITES = {dpr.MODEL_NAME: dpr, llava.MODEL_NAME: llava}
 
 
 # --- config documents ------------------------------------------------------------------------
-
-
-def _read(uri: str) -> bytes:
-    from ckptconv.storage import open_storage
-
-    storage = open_storage(uri)
-    return storage.read_all(uri)
-
-
-def parse_config_bytes(data: bytes, name: str) -> dict[str, Any]:
-    """A config file's content: JSON (``config.json``) or YAML (Cerebras run files)."""
-    import yaml
-
-    kind = "JSON" if name.endswith(".json") else "YAML"
-    try:
-        text = data.decode("utf-8")
-        doc = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
-    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
-        raise ConfigConversionError(f"{name} is not valid {kind}: {e}") from e
-    if not isinstance(doc, dict):
-        raise ConfigConversionError(f"{name} does not hold a mapping of config keys")
-    return doc
-
-
-def load_config(config: str | Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
-    """(document, uri) from a URI/path or a dict."""
-    if config is None:
-        return None, None
-    if isinstance(config, Mapping):
-        return dict(config), None
-    try:
-        return parse_config_bytes(_read(config), config), config
-    except ObjectNotFound:
-        raise ConfigConversionError(f"config file {config} does not exist", hint="check the --config path") from None
-
-
-def _find_hf_config(src_uri: str) -> str | None:
-    from ckptconv.storage import open_storage
-
-    storage = open_storage(src_uri)
-    candidates = []
-    if not storage.exists(src_uri):
-        candidates.append(storage.join(src_uri.rstrip("/"), "config.json"))
-    else:
-        parent = posixpath.dirname(src_uri.rstrip("/"))
-        if parent:
-            candidates.append(storage.join(parent, "config.json"))
-    for c in candidates:
-        if storage.exists(c):
-            return c
-    return None
 
 
 # --- names ----------------------------------------------------------------------------------
@@ -145,7 +90,7 @@ def planned_target(source: Any, plan: Plan, config: Any, output_dir: str | None)
     """Where a conversion with ``plan`` would write its checkpoint."""
     cfg_uri = config if isinstance(config, str) else None
     if cfg_uri is None and plan.extras.get("source_format") == "hf":
-        cfg_uri = _find_hf_config(source.uri)
+        cfg_uri = find_hf_config(source.uri)
     return output_names(source, cfg_uri, _target_label(plan), output_dir=output_dir)[0]
 
 
@@ -210,7 +155,7 @@ def _request(model: str, src_fmt: str, tgt_fmt: str, options: Mapping[str, Any])
 def _config_for(source: Any, config: Any, src_fmt: str) -> tuple[dict[str, Any] | None, str | None]:
     doc, uri = load_config(config)
     if doc is None and src_fmt == "hf":
-        found = _find_hf_config(source.uri)
+        found = find_hf_config(source.uri)
         if found is not None:
             doc, uri = load_config(found)
     return doc, uri
@@ -331,27 +276,6 @@ def convert_model(
 
 
 # --- configs --------------------------------------------------------------------------------
-
-
-def convert_config_dict(doc: Mapping[str, Any], *, model: str, src_fmt: str, tgt_fmt: str) -> ConfigResult:
-    """Convert a config document in memory (no checkpoint involved)."""
-    if model == dpo.MODEL_NAME:
-        return dpo.convert_dpo_config(doc, src_fmt=src_fmt, tgt_fmt=tgt_fmt)
-    if model in COMPOSITES:
-        parts = " and ".join(f"{c}/config.json" for c in COMPOSITES[model].COMPONENTS)
-        raise NoConversionPath(
-            f"a {model} config is {parts} on the Hugging Face side; convert-config takes one file",
-            hint="run convert-model --dry-run on the checkpoint: it shows the converted config(s)",
-        )
-    fam, var = resolve(model)
-    src = upgrades.parse_format(src_fmt, side="source")
-    if src == "cs-auto":
-        raise InvalidRequest("cs-auto needs a checkpoint to read the release from; name the release (cs-X.Y)")
-    tgt = upgrades.parse_format(tgt_fmt, side="target")
-    path = upgrades.find_path(fam, src, tgt)
-    if len(path) == 1:
-        return ConfigResult(dict(doc), {}, {}, [], [])
-    return convert_config_doc(fam, var, doc, path)
 
 
 def convert_config(

@@ -23,20 +23,25 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
 from ckptconv.core.releases import release_key
 from ckptconv.engine.layouts import upgrades
+from ckptconv.engine.layouts.config import cs_model_section
+from ckptconv.engine.layouts.planner import (
+    ConfigResult,
+    Request,
+    build_family_plan,
+    convert_family_config,
+    metadata_params,
+)
 from ckptconv.engine.layouts.registry import resolve
 from ckptconv.engine.layouts.upgrades import split_format
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs, replace_model_spec
 from ckptconv.engine.plan import Plan, Step, identity_plan
 from ckptconv.formats.base import Entry, TensorSource
 from ckptconv.formats.tree import flat_dict_spec
-
-if TYPE_CHECKING:
-    from ckptconv.engine.layouts.planner import ConfigResult, Request
 
 MODEL_NAME = "dpo"
 POLICY = "policy_model.model."
@@ -51,8 +56,6 @@ NO_DPO_RELEASE = "2.1"
 
 
 def _model_section(doc: Mapping[str, Any]) -> dict[str, Any]:
-    from ckptconv.engine.layouts.config import cs_model_section
-
     return cs_model_section(doc)
 
 
@@ -115,18 +118,15 @@ def strip_dpo_config(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 def convert_dpo_config(doc: Mapping[str, Any], *, src_fmt: str, tgt_fmt: str) -> ConfigResult:
     """A DPO run config from / to the wrapped model's config (no checkpoint involved)."""
-    from ckptconv.engine.layouts.api import convert_config_dict
-    from ckptconv.engine.layouts.planner import ConfigResult
-
     src, src_wrap = split_format(src_fmt)
     tgt, tgt_wrap = split_format(tgt_fmt)
     if src == "hf" and tgt_wrap == "dpo":
         base = base_model_of_hf(doc)
-        conf = convert_config_dict(doc, model=base, src_fmt=src, tgt_fmt=tgt)
+        conf = convert_family_config(doc, model=base, src_fmt=src, tgt_fmt=tgt)
         return replace(conf, target=add_dpo_config(conf.target, base))
     if src_wrap == "dpo" and tgt == "hf":
         base = base_model_of_cs(doc, need_dpo=True)
-        return convert_config_dict(strip_dpo_config(doc), model=base, src_fmt=src, tgt_fmt=tgt)
+        return convert_family_config(strip_dpo_config(doc), model=base, src_fmt=src, tgt_fmt=tgt)
     if src_wrap == "no-dpo" and tgt_wrap == "dpo":
         return ConfigResult(add_dpo_config(doc, base_model_of_cs(doc, need_dpo=False)), {}, {}, [], [])
     if src_wrap == "dpo" and tgt_wrap == "no-dpo":
@@ -207,8 +207,6 @@ def build_dpo_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a conversion into, out of, or between DPO layouts (see the module docstring)."""
-    from ckptconv.engine.layouts.planner import ConfigResult, build_plan, metadata_params
-
     src_fmt, src_wrap = split_format(req.src_fmt)
     tgt_fmt, tgt_wrap = split_format(req.tgt_fmt)
     src = upgrades.parse_format(src_fmt, side="source")
@@ -219,14 +217,14 @@ def build_dpo_plan(
 
     if src == "hf" and tgt != "hf" and tgt_wrap == "dpo" and release_key(tgt[3:]) >= release_key("2.1"):
         base = base_model_of_hf(config)
-        plan, conf = build_plan(source, config, replace(req, model=base, tgt_fmt=tgt), strict=strict)
+        plan, conf = build_family_plan(source, config, replace(req, model=base, tgt_fmt=tgt), strict=strict)
         conf = replace(conf, target=add_dpo_config(conf.target, base))
         plan = wrap_plan(plan)
     elif src_wrap == "dpo" and tgt == "hf" and not tgt_wrap:
         base = base_model_of_cs(config, need_dpo=True)
         view = PolicyView(source)
         base_req = replace(req, model=base, src_fmt=src)
-        plan, conf = build_plan(view, strip_dpo_config(config or {}), base_req, strict=strict)
+        plan, conf = build_family_plan(view, strip_dpo_config(config or {}), base_req, strict=strict)
         plan = plan_on_source(plan, view)
         plan.warnings.append(f"the reference model ({len(view.hidden)} keys) is not part of a Hugging Face model")
     elif {(src, src_wrap), (tgt, tgt_wrap)} == {(no_dpo, "no-dpo"), (no_dpo, "dpo")}:

@@ -18,23 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError
 from ckptconv.core.releases import release_key
-from ckptconv.engine.layouts.views import (
+from ckptconv.engine.layouts.composite import (
     PartsPlan,
     component_configs,
     composite_formats,
     composite_model_section,
     part_plan,
 )
+from ckptconv.engine.layouts.config import dump_hf_json
+from ckptconv.engine.layouts.planner import ConfigResult, Request, metadata_params
+from ckptconv.engine.plan import Plan
 from ckptconv.formats.base import TensorSource
 from ckptconv.formats.tree import flat_dict_spec, wrap_spec
-
-if TYPE_CHECKING:
-    from ckptconv.engine.layouts.planner import ConfigResult, Request
-    from ckptconv.engine.plan import Plan
 
 MODEL_NAME = "dpr"
 FIRST_RELEASE = "2.2"
@@ -103,8 +102,6 @@ def build_dpr_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a DPR conversion (see the module docstring)."""
-    from ckptconv.engine.layouts.planner import ConfigResult, metadata_params
-
     src, tgt = composite_formats(req, source, MODEL_NAME, FIRST_RELEASE, COMPONENTS)
     parts = PartsPlan()
     if src == "hf":
@@ -195,7 +192,5 @@ def _cs_model(config: Mapping[str, Any] | None) -> dict[str, Any]:
 def hf_config_files(plan: Plan, target_dir: str, final_target: str) -> dict[str, bytes]:
     """``{<target dir>/<encoder>/config.json: bytes}`` of a DPR plan towards Hugging Face
     (``final_target``, where the output is published, is not needed)."""
-    from ckptconv.engine.layouts.config import dump_hf_json
-
     assert plan.config is not None
     return {f"{target_dir}/{name}/config.json": dump_hf_json(cfg) for name, cfg in plan.config.items()}

@@ -29,23 +29,22 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, ConversionError, NoConversionPath
-from ckptconv.engine.layouts.views import (
+from ckptconv.engine.layouts.composite import (
     PartsPlan,
     component_configs,
     composite_formats,
     composite_model_section,
     part_plan,
 )
-from ckptconv.engine.plan import IDENTITY, Step
+from ckptconv.engine.layouts.config import dump_hf_json
+from ckptconv.engine.layouts.planner import ConfigResult, Request, metadata_params
+from ckptconv.engine.layouts.transforms import TRANSFORMS
+from ckptconv.engine.plan import IDENTITY, Plan, Step, Transform
 from ckptconv.formats.base import Entry, TensorSource
 from ckptconv.formats.tree import flat_dict_spec, wrap_spec
-
-if TYPE_CHECKING:
-    from ckptconv.engine.layouts.planner import ConfigResult, Request
-    from ckptconv.engine.plan import Plan
 
 MODEL_NAME = "llava"
 FIRST_RELEASE = "2.2"
@@ -269,9 +268,6 @@ def _projector_steps_to_hf(source: TensorSource) -> list[Step]:
 
 def _projector_init_steps(projector: Mapping[str, Any], anchor: Entry) -> list[Step]:
     """A new projector: U(-1/sqrt(in), 1/sqrt(in)) weights and biases, as the Model Zoo makes one."""
-    from ckptconv.engine.layouts.transforms import TRANSFORMS
-    from ckptconv.engine.plan import Transform
-
     cfg = projector["image_model"]
     ins = [int(cfg["input_unit"])] + [int(u) for u in cfg["layers_units"][:-1]]
     outs = [int(u) for u in cfg["layers_units"]]
@@ -291,8 +287,6 @@ def build_llava_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a LLaVA conversion (see the module docstring)."""
-    from ckptconv.engine.layouts.planner import ConfigResult, metadata_params
-
     src, tgt = composite_formats(req, source, MODEL_NAME, FIRST_RELEASE, COMPONENTS)
     parts = PartsPlan()
     if src == "hf":
@@ -402,8 +396,6 @@ def _cs_model(config: Mapping[str, Any] | None) -> dict[str, Any]:
 def hf_config_files(plan: Plan, target_dir: str, final_target: str) -> dict[str, bytes]:
     """``{<target dir>/<part>/config.json: bytes}`` (and the image preprocessor config) of a LLaVA
     plan towards Hugging Face. The text model's ``mm_vision_tower`` names the published tower."""
-    from ckptconv.engine.layouts.config import dump_hf_json
-
     assert plan.config is not None
     text = {**plan.config[TEXT], "mm_vision_tower": f"{final_target.rstrip('/')}/{IMAGE}"}
     return {

@@ -26,11 +26,12 @@ from ckptconv.core.errors import (
     ConfigConversionError,
     ConversionError,
     DataloaderStateError,
+    InvalidRequest,
     NoConversionPath,
     UnmatchedKeys,
 )
 from ckptconv.core.releases import CURRENT_RELEASE, known_release, newer_than_known, release_key
-from ckptconv.engine.layouts import dpo, dpr, folding, llava, sparsity, upgrades
+from ckptconv.engine.layouts import folding, sparsity, upgrades
 from ckptconv.engine.layouts.config import (
     cs_model_section,
     export_config,
@@ -364,21 +365,17 @@ class Request:
     fold_mup: bool = True
 
 
-def build_plan(
+def build_family_plan(
     source: TensorSource,
     config: Mapping[str, Any] | None,
     req: Request,
     *,
     strict: bool = True,
 ) -> tuple[Plan, ConfigResult]:
-    """Plan the conversion of ``source`` (metadata only). ``strict`` raises on unmatched keys
-    unless ``drop_unmatched_keys``; a dry run passes ``strict=False`` to list them instead."""
-    if req.model == dpo.MODEL_NAME:
-        return dpo.build_dpo_plan(source, config, req, strict=strict)
-    if req.model == dpr.MODEL_NAME:
-        return dpr.build_dpr_plan(source, config, req, strict=strict)
-    if req.model == llava.MODEL_NAME:
-        return llava.build_llava_plan(source, config, req, strict=strict)
+    """Plan the conversion of ``source`` (metadata only) by the table of ``req.model``'s family.
+    ``strict`` raises on unmatched keys unless ``drop_unmatched_keys``; a dry run passes
+    ``strict=False`` to list them instead. Wrapper and composite models plan through
+    :func:`ckptconv.engine.layouts.models.build_plan`, which calls this for each family inside."""
     fam, var = resolve(req.model)
     entries = source.entries()
     src_node = upgrades.parse_format(req.src_fmt, side="source")
@@ -392,7 +389,7 @@ def build_plan(
     if src_node == "hf":
         view = _with_optional_prefix(fam, var, source)
         if view is not None:
-            plan, conf = build_plan(view, config, req, strict=strict)
+            plan, conf = build_family_plan(view, config, req, strict=strict)
             return plan_on_source(plan, view), conf
 
     if config is None and src_node != "hf":
@@ -932,3 +929,16 @@ def _metadata_append(
         top_labels.append("__metadata__")
         top_children.append(TreeSpec(LIST, None, [rspec]))
     return new_steps, TreeSpec(DICT, top_labels, top_children)
+
+
+def convert_family_config(doc: Mapping[str, Any], *, model: str, src_fmt: str, tgt_fmt: str) -> ConfigResult:
+    """Convert the config document of a family's model in memory (no checkpoint involved)."""
+    fam, var = resolve(model)
+    src = upgrades.parse_format(src_fmt, side="source")
+    if src == "cs-auto":
+        raise InvalidRequest("cs-auto needs a checkpoint to read the release from; name the release (cs-X.Y)")
+    tgt = upgrades.parse_format(tgt_fmt, side="target")
+    path = upgrades.find_path(fam, src, tgt)
+    if len(path) == 1:
+        return ConfigResult(dict(doc), {}, {}, [], [])
+    return convert_config_doc(fam, var, doc, path)

@@ -1,0 +1,59 @@
+"""Config files of model conversions: reading a Hugging Face ``config.json`` or a Cerebras run YAML
+from any storage, and finding the ``config.json`` beside a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+from ckptconv.core.errors import ConfigConversionError, ObjectNotFound
+from ckptconv.storage import open_storage
+
+
+def _read(uri: str) -> bytes:
+    storage = open_storage(uri)
+    return storage.read_all(uri)
+
+
+def parse_config_bytes(data: bytes, name: str) -> dict[str, Any]:
+    """A config file's content: JSON (``config.json``) or YAML (Cerebras run files)."""
+    import yaml
+
+    kind = "JSON" if name.endswith(".json") else "YAML"
+    try:
+        text = data.decode("utf-8")
+        doc = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        raise ConfigConversionError(f"{name} is not valid {kind}: {e}") from e
+    if not isinstance(doc, dict):
+        raise ConfigConversionError(f"{name} does not hold a mapping of config keys")
+    return doc
+
+
+def load_config(config: str | Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
+    """(document, uri) from a URI/path or a dict."""
+    if config is None:
+        return None, None
+    if isinstance(config, Mapping):
+        return dict(config), None
+    try:
+        return parse_config_bytes(_read(config), config), config
+    except ObjectNotFound:
+        raise ConfigConversionError(f"config file {config} does not exist", hint="check the --config path") from None
+
+
+def find_hf_config(src_uri: str) -> str | None:
+    storage = open_storage(src_uri)
+    candidates = []
+    if not storage.exists(src_uri):
+        candidates.append(storage.join(src_uri.rstrip("/"), "config.json"))
+    else:
+        parent = posixpath.dirname(src_uri.rstrip("/"))
+        if parent:
+            candidates.append(storage.join(parent, "config.json"))
+    for c in candidates:
+        if storage.exists(c):
+            return c
+    return None
