@@ -11,8 +11,7 @@ from typing import Any
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath, UnmatchedKeys
 from ckptconv.core.releases import CURRENT_RELEASE, release_key
 from ckptconv.engine.layouts import upgrades
-from ckptconv.engine.layouts.config import cs_model_section
-from ckptconv.engine.layouts.config_files import load_config
+from ckptconv.engine.layouts.config_files import cs_model_section, load_config
 from ckptconv.engine.layouts.planner import build_family_plan, detect_release
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs
 from ckptconv.engine.plan import Plan, Step

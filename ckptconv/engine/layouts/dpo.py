@@ -28,7 +28,7 @@ from typing import Any
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
 from ckptconv.core.releases import release_key
 from ckptconv.engine.layouts import upgrades
-from ckptconv.engine.layouts.config import cs_model_section
+from ckptconv.engine.layouts.config_files import cs_model_section
 from ckptconv.engine.layouts.planner import (
     ConfigResult,
     Request,

@@ -29,7 +29,7 @@ from ckptconv.engine.layouts.composite import (
     composite_model_section,
     part_plan,
 )
-from ckptconv.engine.layouts.config import dump_hf_json
+from ckptconv.engine.layouts.config_files import dump_hf_json
 from ckptconv.engine.layouts.planner import ConfigResult, Request, metadata_params
 from ckptconv.engine.plan import Plan
 from ckptconv.formats.base import TensorSource

@@ -32,15 +32,9 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.releases import CURRENT_RELEASE, known_release, newer_than_known, release_key
 from ckptconv.engine.layouts import folding, sparsity, upgrades
-from ckptconv.engine.layouts.config import (
-    cs_model_section,
-    export_config,
-    fill_defaults,
-    flat_env,
-    get_path,
-    import_config,
-    replace_model_section,
-)
+from ckptconv.engine.layouts.config import export_config, import_config
+from ckptconv.engine.layouts.config_files import cs_model_section, replace_model_section
+from ckptconv.engine.layouts.dictpath import fill_defaults, flat_env, get_path
 from ckptconv.engine.layouts.expr import evaluate
 from ckptconv.engine.layouts.registry import Family, Variant, resolve
 from ckptconv.engine.layouts.rules import MappedOutput, map_keys
