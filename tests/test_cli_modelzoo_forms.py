@@ -199,3 +199,30 @@ def test_cerebras_classes_agree_with_the_simulator() -> None:
 
     listed = {m["name"]: m.get("cs_class") for m in list_models()}
     assert {name: listed[name] for name in MODEL_CLASSES} == MODEL_CLASSES
+
+
+def test_convert_debug_prints_each_match(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The Model Zoo's `convert ... --debug` prints every "old -> new" match; run books pass it.
+    form = ["convert", str(tiny_llama), "--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9"]
+    assert main([*form, "--output-dir", str(tmp_path / "out"), "--debug", "--no-progress-bar"]) == 0
+    matches = capsys.readouterr().err.splitlines()
+    assert "copy(model.embed_tokens.weight) -> model.embedding_layer.word_embeddings.weight" in matches
+    assert (tmp_path / "out" / "model_to_cs-2.9.mdl").is_file()
+
+
+def test_listing_into_a_closed_pipe_ends_quietly() -> None:
+    # `ckptconv list-converters | head -1`: the reader has left; no traceback on stderr.
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: the first write fails with EPIPE
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptconv", "list-converters"], stdout=write_end, stderr=subprocess.PIPE, check=False
+        )
+    finally:
+        os.close(write_end)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141 and "Traceback" not in err, err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -54,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptconv: interrupted; nothing was published", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`ckptconv models | head`): stop quietly, as other command-line tools do;
+        # stdout is pointed at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return int(rc or 0)
 
 

@@ -61,6 +61,7 @@ MODEL_ONLY_OPTIONS = (
     "no_fold_mup",
     "verify",
     "dry_run",
+    "debug",
 )
 
 
@@ -87,6 +88,7 @@ def model_conversion_arguments(p: argparse.ArgumentParser, *, required: bool) ->
         help="also run the appliance simulator on the result and compare logits with transformers",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan (keys, recipes, config) and write nothing")
+    p.add_argument("--debug", action="store_true", help="print each match (source recipe -> new key) before converting")
 
 
 def output_dir_of(args: argparse.Namespace, positional: str | None) -> str | None:
@@ -175,7 +177,7 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
         "fold_lora": args.fold_lora,
         "fold_mup": not args.no_fold_mup,
     }
-    if args.dry_run:
+    if args.dry_run or args.debug:
         from ckptconv.engine.layouts.api import open_model_source, plan_model
 
         src = open_model_source(args.source, args.model, args.src_fmt)
@@ -184,9 +186,12 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
             sizes = {e.key: e.nbytes for e in src.entries()}
         finally:
             src.close()
-        json.dump(plan.to_dict(source_sizes=sizes), sys.stdout, indent=2, default=str)
-        print()
-        return 2 if plan.unmatched and not args.drop_unmatched_keys else 0
+        if args.dry_run:
+            json.dump(plan.to_dict(source_sizes=sizes), sys.stdout, indent=2, default=str)
+            print()
+            return 2 if plan.unmatched and not args.drop_unmatched_keys else 0
+        for step in plan.steps:  # the Model Zoo's --debug lists each match as "old -> new"
+            print(f"{step.recipe} -> {step.out.key}", file=sys.stderr)
 
     from ckptconv.engine.layouts.api import convert_model
 
