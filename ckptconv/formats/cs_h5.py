@@ -366,15 +366,9 @@ class CsH5Sink(CerebrasSink):
             if self._tmp_dir is None:
                 self._placement = LocalPlacement(self._tmp_path)
             else:
-                from ckptconv.storage.part_upload import PartUpload, grid_part_size
+                from ckptconv.storage.part_upload import PartUpload
 
-                end = max((r.offset + r.nbytes for r in self._regions.values()), default=0)
-                upload = PartUpload(
-                    self.storage,
-                    self.uri,
-                    part_size=grid_part_size(end, self.part_size),
-                    concurrency=self.concurrency,
-                )
+                upload = PartUpload(self.storage, self.uri, part_size=self.part_size, concurrency=self.concurrency)
                 self._placement = StreamedPlacement(self._tmp_path, upload, list(self._regions.values()))
 
     def _allocate(self) -> dict[str, Region]:

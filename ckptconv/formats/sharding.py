@@ -28,6 +28,7 @@ from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFou
 from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
 from ckptconv.formats.tree import TreeSpec
+from ckptconv.storage.part_upload import open_output_writer
 
 if TYPE_CHECKING:
     import torch
@@ -341,7 +342,7 @@ class OutputSet:
         self.done: list[OutputFile] = []
 
     def create(self, uri: str, role: str = "data") -> HashingWriter:
-        w = HashingWriter(self.storage.open_writer(uri), role)
+        w = HashingWriter(open_output_writer(self.storage, uri), role)
         self.open.append(w)
         return w
 

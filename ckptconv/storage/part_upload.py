@@ -3,13 +3,16 @@
 :class:`~ckptconv.storage.s3.S3Writer` streams an object front to back. Formats whose byte layout
 is known before the data arrives (an H5 file with preallocated datasets, a safetensors file whose
 header gives every offset) can instead place each byte where it belongs: ``write_at(offset,
-data)``. The object is cut into a grid of parts of ``part_size`` bytes (part ``n`` covers
-``[(n-1)*part_size, n*part_size)``); a part is sent as soon as every one of its bytes has been
+data)``. The object is cut into a fixed grid of parts: ``part_size`` bytes for the first thousand,
+doubling every thousand parts as :class:`~ckptconv.storage.s3.S3Writer`'s do, so that S3's
+10,000-part limit never caps the object below 5 TiB; a part is sent as soon as every one of its bytes has been
 written, by a pool of ``concurrency`` threads, and ``write_at`` waits while that many parts are in
 flight, so memory stays near ``(concurrency + open parts) * part_size``. Parts still being filled
 are buffered: a writer that fills the object roughly in order keeps one or two open.
 
-``complete(size)`` sends the last (possibly short) part and completes the upload create-only;
+``complete(size)`` sends the last (possibly short) part and completes the upload create-only (an
+object smaller than one part is sent with one create-only ``PutObject`` instead; the multipart
+upload is only created when the first part is sent);
 every failure (including one in ``complete``) aborts the upload, and ``abort`` is idempotent, so
 a failed conversion leaves no incomplete upload behind. Retries follow the storage's policy.
 """
@@ -17,29 +20,19 @@ a failed conversion leaves no incomplete upload behind. Retries follow the stora
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import StorageError
-from ckptconv.storage.base import ObjectInfo
+from ckptconv.storage.base import ObjectInfo, Storage, Writer
 
 if TYPE_CHECKING:
     from ckptconv.storage.s3 import S3Storage
 
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_CONCURRENCY = 4
-
-
-def grid_part_size(size_hint: int, part_size: int = DEFAULT_PART_SIZE) -> int:
-    """A part size (whole MiB, >= 5 MiB) whose grid covers ``size_hint`` bytes in fewer than
-    S3's 10,000 parts, with room for what a format adds after its data (metadata, a tail)."""
-    from ckptconv.storage.s3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE  # boto3 only when used
-
-    need = math.ceil(max(size_hint, 1) / (MAX_PARTS * 0.9))
-    size = max(part_size, MIN_PART_SIZE, need)
-    return min(MAX_PART_SIZE, -(-size // (1 << 20)) * (1 << 20))
+_GROUP = 1_000  # parts of one size before the size doubles (as S3Writer's parts do)
 
 
 class PartUpload:
@@ -70,25 +63,41 @@ class PartUpload:
         self._slots = threading.BoundedSemaphore(max(1, concurrency))
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="s3-part")
         self._state = "open"
-        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key}
-        if storage.part_checksums:
-            kwargs["ChecksumAlgorithm"] = "CRC32"
-        try:
-            self._upload_id: str = storage._call(uri, storage.client.create_multipart_upload, **kwargs)["UploadId"]
-        except BaseException:
-            self._pool.shutdown(wait=False)
-            raise
+        self._upload_id: str | None = None
 
-    @property
-    def upload_id(self) -> str:
+    def _start(self) -> str:
+        if self._upload_id is None:
+            s = self._storage
+            kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key}
+            if s.part_checksums:
+                kwargs["ChecksumAlgorithm"] = "CRC32"
+            self._upload_id = s._call(self.uri, s.client.create_multipart_upload, **kwargs)["UploadId"]
         return self._upload_id
+
+    def _size_of_group(self, group: int) -> int:
+        from ckptconv.storage.s3 import MAX_PART_SIZE
+
+        return min(self.part_size << group, MAX_PART_SIZE)
 
     def part_bounds(self, number: int) -> tuple[int, int]:
         """``[start, end)`` of part ``number`` (1-based) on the grid."""
-        return (number - 1) * self.part_size, number * self.part_size
+        start, group, before = 0, 0, number - 1
+        while before > 0:
+            n = min(before, _GROUP)
+            start += n * self._size_of_group(group)
+            before -= n
+            group += 1
+        return start, start + self._size_of_group((number - 1) // _GROUP)
 
     def part_of(self, offset: int) -> int:
-        return offset // self.part_size + 1
+        """The number of the part holding byte ``offset``."""
+        base, group = 0, 0
+        while True:
+            size = self._size_of_group(group)
+            if offset < base + _GROUP * size:
+                return group * _GROUP + (offset - base) // size + 1
+            base += _GROUP * size
+            group += 1
 
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Place ``data`` at ``offset``; every byte of the object must be written exactly once."""
@@ -102,12 +111,12 @@ class PartUpload:
             take = min(end - (offset + pos), len(view) - pos)
             if number in self._sent:
                 raise ValueError(f"{self.uri}: bytes at {offset + pos} written twice")
-            buf, filled = self._open.get(number) or (bytearray(self.part_size), 0)
+            buf, filled = self._open.get(number) or (bytearray(end - start), 0)
             at = offset + pos - start
             buf[at : at + take] = view[pos : pos + take]
             filled += take
             pos += take
-            if filled == self.part_size:
+            if filled == end - start:
                 self._open.pop(number, None)
                 self._send(number, buf)
             else:
@@ -119,6 +128,7 @@ class PartUpload:
         if number > MAX_PARTS:
             raise StorageError(f"{self.uri} needs more than {MAX_PARTS} parts of {self.part_size} bytes")
         self._raise_failed()
+        self._start()
         self._slots.acquire()  # bounded: at most `concurrency` parts in memory in flight
         self._sent.add(number)
         try:
@@ -159,6 +169,8 @@ class PartUpload:
         try:
             last = self.part_of(size - 1)
             start, _ = self.part_bounds(last)
+            if last == 1 and self._upload_id is None:
+                return self._put_whole(size)
             tail = self._open.pop(last, None)
             if tail is not None and tail[1] == size - start:
                 self._send(last, memoryview(tail[0])[: size - start])
@@ -179,6 +191,17 @@ class PartUpload:
         etag = r.get("ETag")
         return ObjectInfo(uri=self.uri, size=size, etag=etag.strip('"') if etag else None)
 
+    def _put_whole(self, size: int) -> ObjectInfo:
+        """An object within the first part: one create-only PutObject, as a streaming writer sends it."""
+        buf, filled = self._open.pop(1, (bytearray(), 0))
+        if filled != size:
+            raise StorageError(f"{self.uri}: {size} bytes announced, {filled} written")
+        with self._storage.open_writer(self.uri, overwrite=self._overwrite) as w:
+            w.write(memoryview(buf)[:size])
+        self._state = "completed"
+        self._pool.shutdown(wait=True)
+        return self._storage.stat(self.uri)
+
     def abort(self) -> None:
         """Abort the upload (after the parts in flight ended, or S3 might keep them); idempotent."""
         if self._state != "open":
@@ -189,7 +212,55 @@ class PartUpload:
             with contextlib.suppress(BaseException):
                 f.result()
         self._pool.shutdown(wait=True)
-        self._storage._abort_upload(self._bucket, self._key, self._upload_id, self.uri)
+        if self._upload_id is not None:
+            self._storage._abort_upload(self._bucket, self._key, self._upload_id, self.uri)
 
 
-__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "PartUpload", "grid_part_size"]
+class PartWriter(Writer):
+    """A front-to-back :class:`Writer` over a :class:`PartUpload`: a sequential output (a
+    safetensors shard, a torch zip) whose parts go out ``concurrency`` at a time instead of one."""
+
+    def __init__(self, upload: PartUpload) -> None:
+        self.uri = upload.uri
+        self._upload = upload
+        self._pos = 0
+        self._info: ObjectInfo | None = None
+
+    @property
+    def bytes_written(self) -> int:
+        return self._pos
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            self._upload.write_at(self._pos, view)
+        except BaseException:
+            self.abort()
+            raise
+        self._pos += len(view)
+        return len(view)
+
+    def commit(self) -> ObjectInfo:
+        if self._info is None:
+            if self._pos == 0:
+                self._upload.abort()
+                with self._upload._storage.open_writer(self.uri, overwrite=self._upload._overwrite) as w:
+                    w.write(b"")
+                self._info = self._upload._storage.stat(self.uri)
+            else:
+                self._info = self._upload.complete(self._pos)
+        return self._info
+
+    def abort(self) -> None:
+        self._upload.abort()
+
+
+def open_output_writer(storage: Storage, uri: str) -> Writer:
+    """The writer for one output file: concurrent part uploads on S3, the storage's own elsewhere."""
+    if storage.scheme == "s3":
+        upload = PartUpload(storage, uri, part_size=DEFAULT_PART_SIZE, concurrency=DEFAULT_CONCURRENCY)  # type: ignore[arg-type]
+        return PartWriter(upload)
+    return storage.open_writer(uri)
+
+
+__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "PartUpload", "PartWriter", "open_output_writer"]
