@@ -51,6 +51,9 @@ from ckptconv.formats.base import Entry, OutputFile, TensorSource
 from ckptconv.formats.cs_base import CerebrasSink, decode_object, follow_link, full_tensor, needs_payload, release_of
 from ckptconv.formats.cs_h5_chunks import DEFAULT_CHUNK_BYTES, LZ4_FILTER_ID, ChunkWriter, slab_chunk_shape
 from ckptconv.formats.cs_h5_contiguous import (
+    META_BLOCK_BASE,
+    META_BLOCK_MAX,
+    META_BYTES_PER_DATASET,
     LocalPlacement,
     Region,
     StreamedPlacement,
@@ -390,7 +393,15 @@ class CsH5Sink(CerebrasSink):
 
     def _create(self, spec_text: str) -> None:
         assert self._tmp_path is not None
-        self._file = h5py.File(self._tmp_path, "x")
+        if self.chunking == "contiguous":
+            # One metadata block large enough for every dataset's object header: HDF5 otherwise
+            # allocates 2 KiB metadata blocks at the end of the file as it goes, between the
+            # datasets, and every upload part holding one would wait for commit in local storage.
+            numeric = sum(1 for e in self._todo if e.kind in ("tensor", "array"))
+            block = min(META_BLOCK_MAX, META_BYTES_PER_DATASET * numeric + META_BLOCK_BASE)
+            self._file = h5py.File(self._tmp_path, "x", meta_block_size=block)
+        else:
+            self._file = h5py.File(self._tmp_path, "x")
         attrs = self._file.attrs
         attrs["__spec__"] = spec_text
         attrs["__version__"] = np.float64(FORMAT_VERSION)

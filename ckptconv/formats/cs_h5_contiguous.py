@@ -28,6 +28,12 @@ import numpy as np
 
 from ckptconv.storage.part_upload import PartUpload
 
+# The metadata block of a contiguous file: room for each dataset's object header and attributes
+# (about 1 KiB measured) plus the root group's, capped; unused room is a hole in the file.
+META_BYTES_PER_DATASET = 2048
+META_BLOCK_BASE = 1 << 20
+META_BLOCK_MAX = 64 << 20
+
 
 @dataclass(frozen=True)
 class Region:
@@ -78,6 +84,13 @@ class StreamedPlacement:
         self._fd = os.open(path, os.O_WRONLY)
         self.upload = upload
         self._pure = _pure_parts(regions, upload)
+        end = max((r.offset + r.nbytes for r in regions), default=0)
+        self._data_parts = upload.part_of(end - 1) if end else 0
+
+    @property
+    def deferred_parts(self) -> int:
+        """Parts up to the end of the data area that wait for commit (they hold metadata bytes)."""
+        return self._data_parts - len(self._pure)
 
     def place(self, region: Region, data: memoryview) -> None:
         pos, end = region.offset, region.offset + region.nbytes
@@ -143,4 +156,13 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         offset += n
 
 
-__all__ = ["LocalPlacement", "Region", "StreamedPlacement", "create_contiguous", "region_of"]
+__all__ = [
+    "META_BLOCK_BASE",
+    "META_BLOCK_MAX",
+    "META_BYTES_PER_DATASET",
+    "LocalPlacement",
+    "Region",
+    "StreamedPlacement",
+    "create_contiguous",
+    "region_of",
+]
