@@ -38,6 +38,7 @@ MEMORY_BUDGET_HELP = (
     " the rest reads ahead (default: that minimum)"
 )
 
+
 def dtype_arg(value: str) -> str:
     return DTYPE_ALIASES.get(value.lower(), value.lower())
 

@@ -293,9 +293,7 @@ def execute(
     largest = max((src_sizes.get(k, 0) for k in order), default=0)
     budget = max(largest, read_ahead or 0)
     fetcher = (
-        _Prefetcher(source, order, src_sizes, budget=budget, read_digests=read_digests)
-        if prefetch and order
-        else None
+        _Prefetcher(source, order, src_sizes, budget=budget, read_digests=read_digests) if prefetch and order else None
     )
     cache: dict[str, Any] = {}
     digests: dict[str, str] = {}

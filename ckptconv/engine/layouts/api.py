@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import dump_cs_yaml, dump_hf_json, find_hf_config, load_config
+from ckptconv.engine.layouts.config_plan import ConfigResult
 from ckptconv.engine.layouts.models import COMPOSITES, build_plan, convert_config_dict
-from ckptconv.engine.layouts.planner import ConfigResult, Request
+from ckptconv.engine.layouts.planner import Request
 from ckptconv.engine.layouts.upgrades import parse_model_format
 from ckptconv.engine.plan import Plan
 

@@ -12,7 +12,8 @@ from ckptconv.core.errors import ConfigConversionError, NoConversionPath, Unmatc
 from ckptconv.core.releases import CURRENT_RELEASE, release_key
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import cs_model_section, load_config
-from ckptconv.engine.layouts.planner import build_family_plan, detect_release
+from ckptconv.engine.layouts.planner import build_family_plan
+from ckptconv.engine.layouts.source_info import detect_release
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs
 from ckptconv.engine.plan import Plan, Step
 from ckptconv.formats.base import TensorSource

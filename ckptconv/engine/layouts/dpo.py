@@ -29,14 +29,10 @@ from ckptconv.core.errors import ConfigConversionError, NoConversionPath
 from ckptconv.core.releases import release_key
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import cs_model_section
-from ckptconv.engine.layouts.planner import (
-    ConfigResult,
-    Request,
-    build_family_plan,
-    convert_family_config,
-    metadata_params,
-)
+from ckptconv.engine.layouts.config_plan import ConfigResult, convert_family_config
+from ckptconv.engine.layouts.planner import Request, build_family_plan
 from ckptconv.engine.layouts.registry import resolve
+from ckptconv.engine.layouts.source_info import metadata_params
 from ckptconv.engine.layouts.upgrades import split_format
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs, replace_model_spec
 from ckptconv.engine.plan import Plan, Step, identity_plan

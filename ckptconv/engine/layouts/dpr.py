@@ -30,7 +30,9 @@ from ckptconv.engine.layouts.composite import (
     part_plan,
 )
 from ckptconv.engine.layouts.config_files import dump_hf_json
-from ckptconv.engine.layouts.planner import ConfigResult, Request, metadata_params
+from ckptconv.engine.layouts.config_plan import ConfigResult
+from ckptconv.engine.layouts.planner import Request
+from ckptconv.engine.layouts.source_info import metadata_params
 from ckptconv.engine.plan import Plan
 from ckptconv.formats.base import TensorSource
 from ckptconv.formats.tree import flat_dict_spec, wrap_spec

@@ -40,7 +40,9 @@ from ckptconv.engine.layouts.composite import (
     part_plan,
 )
 from ckptconv.engine.layouts.config_files import dump_hf_json
-from ckptconv.engine.layouts.planner import ConfigResult, Request, metadata_params
+from ckptconv.engine.layouts.config_plan import ConfigResult
+from ckptconv.engine.layouts.planner import Request
+from ckptconv.engine.layouts.source_info import metadata_params
 from ckptconv.engine.layouts.transforms import TRANSFORMS
 from ckptconv.engine.plan import IDENTITY, Plan, Step, Transform
 from ckptconv.formats.base import Entry, TensorSource

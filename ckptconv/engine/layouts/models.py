@@ -21,7 +21,8 @@ from typing import Any
 
 from ckptconv.core.errors import NoConversionPath
 from ckptconv.engine.layouts import dpo, dpr, llava
-from ckptconv.engine.layouts.planner import ConfigResult, Request, build_family_plan, convert_family_config
+from ckptconv.engine.layouts.config_plan import ConfigResult, convert_family_config
+from ckptconv.engine.layouts.planner import Request, build_family_plan
 from ckptconv.engine.plan import Plan
 from ckptconv.formats.base import TensorSource
 

@@ -17,336 +17,33 @@ The path through the release graph (``ckptconv.engine.layouts.upgrades``) decide
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptconv.core.dtypes import is_float_dtype
 from ckptconv.core.errors import (
     ConfigConversionError,
     ConversionError,
     DataloaderStateError,
-    InvalidRequest,
     NoConversionPath,
     UnmatchedKeys,
 )
-from ckptconv.core.releases import CURRENT_RELEASE, known_release, newer_than_known, release_key
+from ckptconv.core.releases import release_key
 from ckptconv.engine.layouts import folding, sparsity, upgrades
-from ckptconv.engine.layouts.config import export_config, import_config
-from ckptconv.engine.layouts.config_files import cs_model_section, replace_model_section
-from ckptconv.engine.layouts.dictpath import fill_defaults, flat_env, get_path
+from ckptconv.engine.layouts.config_files import cs_model_section
+from ckptconv.engine.layouts.config_plan import MODEL, ConfigResult, Env, convert_config_doc
 from ckptconv.engine.layouts.expr import evaluate
 from ckptconv.engine.layouts.registry import Family, Variant, resolve
 from ckptconv.engine.layouts.rules import MappedOutput, map_keys
-from ckptconv.engine.layouts.transforms import TRANSFORMS, lora_fold
+from ckptconv.engine.layouts.source_info import detect_release, metadata_params, subtree
+from ckptconv.engine.layouts.steps import Pre, lora_fn, make_step, masked, scale_fn, sideband_sparsity, zero_nans
+from ckptconv.engine.layouts.transforms import TRANSFORMS
 from ckptconv.engine.layouts.views import KeyView, plan_on_source
-from ckptconv.engine.plan import IDENTITY, Plan, Step, Transform
+from ckptconv.engine.plan import Plan, Step
 from ckptconv.formats.base import Entry, TensorSource
-from ckptconv.formats.tree import DICT, LIST, ODICT, TreeSpec, flat_dict_spec, flatten, unflatten, wrap_spec
+from ckptconv.formats.tree import DICT, LIST, ODICT, TreeSpec, flat_dict_spec, flatten, wrap_spec
 
-MODEL = "model"
 INNER_PREFIX = "model."
-
-
-# --- environment for table expressions ---------------------------------------------------------
-
-
-class Env(Mapping[str, Any]):
-    """CS config keys (nested joined with ``__``), HF config keys as ``hf_<key>``, and the family's
-    dims, evaluated lazily so a dim nobody uses never needs its config keys."""
-
-    def __init__(self, cs_model: Mapping[str, Any], hf: Mapping[str, Any], dims: Mapping[str, Any]) -> None:
-        self.base: dict[str, Any] = flat_env(cs_model)
-        self.base.update({f"hf_{k}": v for k, v in flat_env(hf).items()})
-        self.dims = dict(dims)
-        self.cache: dict[str, Any] = {}
-        self.busy: set[str] = set()
-
-    def __getitem__(self, name: str) -> Any:
-        if name in self.dims:
-            if name not in self.cache:
-                if name in self.busy:
-                    raise ConfigConversionError(f"dim {name!r} is defined in terms of itself")
-                self.busy.add(name)
-                try:
-                    # A dim may shadow a config key of the same name (e.g. rotary_dim): evaluate in base.
-                    self.cache[name] = evaluate(self.dims[name], _Shadow(self, name))
-                finally:
-                    self.busy.discard(name)
-            return self.cache[name]
-        return self.base[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.dims or name in self.base
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self.dims
-        yield from self.base
-
-    def __len__(self) -> int:
-        return len(self.dims) + len(self.base)
-
-
-class _Shadow(Mapping[str, Any]):
-    def __init__(self, env: Env, hide: str) -> None:
-        self.env, self.hide = env, hide
-
-    def __getitem__(self, name: str) -> Any:
-        if name == self.hide:
-            return self.env.base[name]
-        return self.env[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.env.base if name == self.hide else name in self.env
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.env)
-
-    def __len__(self) -> int:
-        return len(self.env)
-
-
-# --- the config side ----------------------------------------------------------------------------
-
-
-@dataclass
-class ConfigResult:
-    target: dict[str, Any]  # the converted document (HF config dict, or CS run YAML)
-    canonical: dict[str, Any]  # the CS model section in the >= 2.1 vocabulary (drives the rules)
-    hf: dict[str, Any]  # the HF config (source or target side)
-    warnings: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
-    mup: folding.MupFold | None = None
-
-
-def convert_config_doc(
-    fam: Family,
-    var: Variant,
-    doc: Mapping[str, Any],
-    path: list[str],
-    *,
-    fold_mup: bool = True,
-    lora_sites: list[folding.LoraSite] | None = None,
-) -> ConfigResult:
-    table = fam.config_for(var)
-    variant = {"head": var.head, "headless": var.headless}
-    warnings: list[str] = []
-    if path[0] == "hf":
-        first = path[1]
-        cs_model, w, ignored, top = import_config(
-            table, doc, release=upgrades.release_of(first), registry_name=fam.cs_name, variant=variant
-        )
-        warnings += w
-        out = upgrades.config_along({MODEL: cs_model, **top}, path[1:], fam, warnings)
-        return ConfigResult(out, fill_defaults(cs_model, table.cs_defaults), dict(doc), warnings, ignored)
-    if path[-1] == "hf":
-        cs_nodes = path[:-1]
-        at = upgrades.config_along(dict(doc), cs_nodes, fam, warnings)
-        model = cs_model_section(at)
-        release = upgrades.release_of(cs_nodes[-1])
-        mup = None
-        if table.params.get("mup") != "native" and folding.is_mup(model, release):
-            if not fold_mup:
-                raise ConfigConversionError(
-                    "this is a muP model; Hugging Face has no muP, so its weights must be folded",
-                    hint="leave muP folding on",
-                )
-            if not table.params.get("mup", False):
-                raise ConfigConversionError(
-                    f"muP folding is not supported for {fam.name}",
-                    hint="the Model Zoo supports muP export for llama, mistral, gpt2, gptj, bloom, starcoder, "
-                    "santacoder, bert and t5",
-                )
-            mup = folding.mup_fold(model, release, fam.name)
-            model = mup.config
-            warnings.append("muP parameters were folded into the weights (muP -> sP); embeddings are untied")
-        if lora_sites:
-            model = folding.lora_config(model, lora_sites)
-        hf, w = export_config(
-            table,
-            model,
-            release=release,
-            registry_name=fam.cs_name,
-            variant=variant,
-            top={k: v for k, v in at.items() if k != MODEL},
-        )
-        warnings += w
-        return ConfigResult(hf, fill_defaults(model, table.cs_defaults), hf, warnings, [], mup)
-    out = upgrades.config_along(dict(doc), path, fam, warnings)
-    model = cs_model_section(out)
-    if lora_sites:
-        model = folding.lora_config(model, lora_sites)
-        out = replace_model_section(out, model)
-    return ConfigResult(out, fill_defaults(model, table.cs_defaults), {}, warnings, [])
-
-
-# --- reading CS metadata from a source ------------------------------------------------------------
-
-
-def subtree(source: TensorSource, entries: list[Entry], prefix: str) -> Any:
-    """The nested Python value stored under flat key ``prefix`` (e.g. ``__metadata__``), or None."""
-    spec = source.spec
-    if spec is None:
-        return None
-    node: TreeSpec | None = spec
-    for part in prefix.split("."):
-        if node is None or node.is_leaf:
-            return None
-        labels = [str(x) for x in node.child_labels()]
-        if part not in labels:
-            return None
-        node = node.children[labels.index(part)]
-    by_key = {e.key: e for e in entries}
-    values = []
-    for k in node.keys():  # noqa: SIM118 - TreeSpec.keys() lists flat leaf keys; it is not a dict
-        full = f"{prefix}.{k}" if k else prefix
-        e = by_key.get(full)
-        if e is None:
-            values.append(None)
-        elif e.kind == "value":
-            values.append(e.value)
-        else:
-            v = source.read(full)
-            values.append(getattr(v, "value", v))
-    return unflatten(values, node)
-
-
-def detect_release(source: TensorSource, entries: list[Entry]) -> tuple[str, str | None]:
-    """``cs-auto``: ``__metadata__[-1].version``, else the H5 writer's version attributes.
-
-    Returns (node, warning). A release newer than the newest this build knows is read as that
-    newest one (the key layout has not changed since), with a warning.
-    """
-    candidates: list[str] = []
-    meta = subtree(source, entries, "__metadata__")
-    if isinstance(meta, list) and meta and isinstance(meta[-1], Mapping):
-        candidates.append(str(meta[-1].get("version", "")))
-    info = source.info or {}
-    candidates += [str(info[k]) for k in ("cstorch_version", "__cstorch_version__", "release") if info.get(k)]
-    for version in candidates:
-        rel = known_release(version)
-        if rel:
-            return f"cs-{rel}", None
-        newer = newer_than_known(version)
-        if newer:
-            return (
-                f"cs-{CURRENT_RELEASE}",
-                f"the checkpoint was written by release {newer}, newer than the newest layout known here "
-                f"(cs-{CURRENT_RELEASE}); it is read as cs-{CURRENT_RELEASE}",
-            )
-    fmt = info.get("format_version", info.get("__version__"))
-    legacy = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
-    if fmt is not None:
-        try:
-            f = round(float(fmt), 1)
-        except (TypeError, ValueError):
-            f = None
-        if f in legacy:
-            return f"cs-{legacy[f]}", None
-    raise NoConversionPath(
-        "cannot detect the Cerebras release of this checkpoint (no __metadata__ and no version attributes)",
-        hint="name the release with --src-fmt cs-X.Y",
-    )
-
-
-def metadata_params(source: TensorSource, entries: list[Entry]) -> dict[str, Any] | None:
-    meta = subtree(source, entries, "__metadata__")
-    if isinstance(meta, list) and meta and isinstance(meta[-1], Mapping):
-        params = meta[-1].get("params")
-        if isinstance(params, Mapping) and params:
-            return dict(params)
-    return None
-
-
-# --- steps ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pre:
-    """How one rule input is obtained from source keys (a plain read, a muP scale, a LoRA fold)."""
-
-    keys: tuple[str, ...]
-    fn: Callable[[list[Any]], Any] | None = None
-    label: str = ""
-
-
-def _meta(e: Entry) -> Any:
-    import torch
-
-    from ckptconv.formats.base import torch_dtype
-
-    if e.kind not in ("tensor", "array") or e.shape is None or e.dtype is None:
-        raise ConversionError(f"{e.key} is a {e.kind}, not a tensor; a layout rule cannot transform it")
-    return torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype), device="meta")
-
-
-def _make_step(
-    out_key: str,
-    pres: list[Pre],
-    rule_fn: Callable[[list[Any], dict[str, Any], int], Any],
-    params: dict[str, Any],
-    index: int,
-    name: str,
-    peak: float,
-    entries: Mapping[str, Entry],
-) -> Step:
-    flat: list[str] = []
-    slots: list[list[int]] = []
-    for p in pres:
-        idx = []
-        for k in p.keys:
-            if k not in flat:
-                flat.append(k)
-            idx.append(flat.index(k))
-        slots.append(idx)
-    fns = [p.fn for p in pres]
-
-    def fn(values: list[Any]) -> Any:
-        args = []
-        for slot, pre in zip(slots, fns, strict=True):
-            vs = [values[i] for i in slot]
-            args.append(pre(vs) if pre is not None else vs[0])
-        return rule_fn(args, params, index)
-
-    try:
-        probe = fn([_meta(entries[k]) for k in flat])
-    except ConversionError:
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError) as e:
-        raise ConversionError(
-            f"cannot build {out_key} from {', '.join(flat)} with {name}: {e}",
-            hint="check that --model and the config match the checkpoint (head counts, sizes)",
-        ) from e
-    dtype = str(probe.dtype).removeprefix("torch.")
-    shown = {k: v for k, v in params.items() if not isinstance(v, dict | list) or k in ("parts",)}
-    if isinstance(params.get("outputs"), list):  # a fused tensor: say which part this output is
-        shown["part"] = params["outputs"][index]
-        if params.get("rope"):
-            shown["rope"] = ",".join(params["rope"])
-    elif index:
-        shown["index"] = index
-    labels = [p.label for p in pres if p.label]
-    if labels:
-        shown["pre"] = "; ".join(labels)
-    t = Transform(name, fn, shown, peak_factor=peak)
-    return Step(Entry(out_key, "tensor", dtype, tuple(probe.shape)), tuple(flat), t)
-
-
-def _scale_fn(factor: float) -> Callable[[list[Any]], Any]:
-    def fn(vs: list[Any]) -> Any:
-        return TRANSFORMS["scale"].to_hf(vs, {"factor": factor}, 0)
-
-    return fn
-
-
-def _lora_fn(site: folding.LoraSite) -> Callable[[list[Any]], Any]:
-    def fn(vs: list[Any]) -> Any:
-        return lora_fold(vs[0], vs[1], vs[2], site.scale, fan_in_fan_out=site.fan_in_fan_out, embedding=site.embedding)
-
-    return fn
-
-
-# --- the plan --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -357,6 +54,21 @@ class Request:
     drop_unmatched_keys: bool = False
     fold_lora: bool = False
     fold_mup: bool = True
+
+
+@dataclass
+class PlanContext:
+    """What every plan builder of one family's conversion reads (and the warnings it adds to)."""
+
+    fam: Family
+    var: Variant
+    source: TensorSource
+    entries: list[Entry]
+    by_key: dict[str, Entry]
+    config: dict[str, Any]
+    path: list[str]
+    req: Request
+    warnings: list[str]
 
 
 def build_family_plan(
@@ -406,14 +118,15 @@ def build_family_plan(
             "is not planned in one pass",
             hint=f"convert in two steps through cs-1.7 ({route})",
         )
+    ctx = PlanContext(fam, var, source, entries, by_key, dict(config), path, req, warnings)
     if src_node != "hf" and tgt_node != "hf" and (src_node in hf_style) != (tgt_node in hf_style):
-        plan, conf = _plan_hf_style(fam, var, source, entries, by_key, dict(config), path, warnings, hf_style)
+        plan, conf = _plan_hf_style(ctx, hf_style)
     elif src_node == "hf":
-        plan, conf = _plan_import(fam, var, entries, by_key, dict(config), path, req, warnings)
+        plan, conf = _plan_import(ctx)
     elif tgt_node == "hf":
-        plan, conf = _plan_export(fam, var, entries, by_key, dict(config), path, req, warnings)
+        plan, conf = _plan_export(ctx)
     else:
-        plan, conf = _plan_cs_to_cs(fam, var, source, entries, by_key, dict(config), path, req, warnings)
+        plan, conf = _plan_cs_to_cs(ctx)
     if src_node != "hf" and tgt_node != "hf":
         plan = _with_dataloader_state(plan, dict(config), src_node, tgt_node)
     plan.warnings = _unique(warnings + conf.warnings + plan.warnings + _initialized_warning(plan))
@@ -483,7 +196,7 @@ def _rule_steps(
         fn = t.to_cs if direction == "import" else t.to_hf
         params = {k: v if k in t.literal else evaluate(v, env) for k, v in mo.params.items()}
         pres = [pre_of(k) for k in mo.inputs]
-        steps.append(_make_step(out_key(mo.key), pres, fn, params, mo.index, mo.transform, t.peak_factor, entries))
+        steps.append(make_step(out_key(mo.key), pres, fn, params, mo.index, mo.transform, t.peak_factor, entries))
     return steps
 
 
@@ -510,7 +223,16 @@ def _resolve_links(by_key: Mapping[str, Entry], key: str) -> str:
     return key
 
 
-def _plan_import(fam, var, entries, by_key, config, path, req, warnings) -> tuple[Plan, ConfigResult]:
+def _plan_import(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
+    fam, var, entries, by_key, config, path, warnings = (
+        ctx.fam,
+        ctx.var,
+        ctx.entries,
+        ctx.by_key,
+        ctx.config,
+        ctx.path,
+        ctx.warnings,
+    )
     conf = convert_config_doc(fam, var, config, path)
     env = _env(fam, conf)
     rules = fam.rules_for(var)
@@ -552,7 +274,17 @@ def _is_none(e: Entry) -> bool:
     return e.kind == "value" and e.value is None
 
 
-def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tuple[Plan, ConfigResult]:
+def _plan_export(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
+    fam, var, entries, by_key, config, path, req, warnings = (
+        ctx.fam,
+        ctx.var,
+        ctx.entries,
+        ctx.by_key,
+        ctx.config,
+        ctx.path,
+        ctx.req,
+        ctx.warnings,
+    )
     model_entries, rest = _split_cs(entries)
     canon_node = path[-2]
     canon_to_src: dict[str, str] = {}
@@ -593,15 +325,15 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
         if site is not None:
             a = _resolve_links(by_key, canon_to_src[site.a])
             b = _resolve_links(by_key, canon_to_src[site.b])
-            base = Pre((src, a, b), _lora_fn(site), f"LoRA fold x{site.scale:g}")
+            base = Pre((src, a, b), lora_fn(site), f"LoRA fold x{site.scale:g}")
         else:
             base = Pre((src,))
         if canon in masks:
-            base = _masked(base, _resolve_links(by_key, canon_to_src[masks[canon]]))
+            base = masked(base, _resolve_links(by_key, canon_to_src[masks[canon]]))
         f = conf.mup.factor(canon) if conf.mup is not None else None
         if f is None:
             return base
-        scale = _scale_fn(f[0])
+        scale = scale_fn(f[0])
         if base.fn is None:
             return Pre(base.keys, scale, f"{f[1]} x{f[0]:.6g}")
         inner = base.fn
@@ -609,7 +341,7 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
 
     steps = locality_order(_rule_steps(mapping.outputs, "export", by_key, env, pre_of, lambda k: k))
     if sideband_sparsity(config):
-        steps = [_zero_nans(s) for s in steps]
+        steps = [zero_nans(s) for s in steps]
         warnings.append("sideband sparsity: pruned weights (NaN in the checkpoint) are written as 0")
     # A flat HF state dict needs no spec (and a spec would add a ckptconv record to safetensors).
     plan = Plan(steps, None)
@@ -630,41 +362,18 @@ def _plan_export(fam, var, entries, by_key, config, path, req, warnings) -> tupl
     return plan, conf
 
 
-def _masked(pre: Pre, mask_key: str) -> Pre:
-    """``pre`` with a sparsity mask applied to its value (0 where the mask is false)."""
-    keys = (*pre.keys, mask_key)
-    inner = pre.fn
-
-    def fn(vs: list[Any]) -> Any:
-        w = inner(vs[:-1]) if inner is not None else vs[0]
-        return w.masked_fill(~vs[-1].bool(), 0)
-
-    return Pre(keys, fn, f"{pre.label}; sparsity mask" if pre.label else "sparsity mask")
-
-
-def sideband_sparsity(config: Mapping[str, Any]) -> bool:
-    """Whether a CS run config trained with sideband sparsity, which marks pruned weights as NaN."""
-    sections = [config.get("sparsity"), get_path(config, "trainer.init.sparsity", None)]
-    return any(isinstance(sp, Mapping) and "sideband" in (sp.get("type"), sp.get("algorithm")) for sp in sections)
-
-
-def _zero_nans(step: Step) -> Step:
-    """``step`` writing 0 where its floating-point output is NaN."""
-    if step.out.kind not in ("tensor", "array") or not step.inputs or not is_float_dtype(step.out.dtype):
-        return step
-    t = step.transform or IDENTITY
-
-    def fn(values: list[Any]) -> Any:
-        out = t(values)
-        if out.element_size() == 1:  # float8: torch has no masked_fill for it; float32 holds it exactly
-            wide = out.float()
-            return wide.masked_fill(wide.isnan(), 0).to(out.dtype)
-        return out.masked_fill(out.isnan(), 0)  # a new tensor: the input may be read again
-
-    return replace(step, transform=Transform(f"{t.name}; NaN->0", fn, dict(t.params), t.peak_factor + 1.0))
-
-
-def _plan_cs_to_cs(fam, var, source, entries, by_key, config, path, req, warnings) -> tuple[Plan, ConfigResult]:
+def _plan_cs_to_cs(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
+    fam, var, source, entries, by_key, config, path, req, warnings = (
+        ctx.fam,
+        ctx.var,
+        ctx.source,
+        ctx.entries,
+        ctx.by_key,
+        ctx.config,
+        ctx.path,
+        ctx.req,
+        ctx.warnings,
+    )
     model_entries, rest = _split_cs(entries)
     src_node, tgt_node = path[0], path[-1]
     shapes = {}
@@ -706,7 +415,7 @@ def _plan_cs_to_cs(fam, var, source, entries, by_key, config, path, req, warning
         new_key = f"{MODEL}.{prefix}{upgrades.rename_key(inner, src_node, tgt_node)}"
         if inner in fills:
             src_key = _resolve_links(by_key, inner_to_src[fills[inner]])
-            steps.append(_make_step(new_key, [Pre((src_key,))], TRANSFORMS["copy"].to_cs, {}, 0, "copy", 0.0, by_key))
+            steps.append(make_step(new_key, [Pre((src_key,))], TRANSFORMS["copy"].to_cs, {}, 0, "copy", 0.0, by_key))
             continue
         if _is_none(e) or e.kind in ("value", "object"):
             steps.append(Step(replace(e, key=new_key), () if e.kind == "value" else (e.key,)))
@@ -719,8 +428,8 @@ def _plan_cs_to_cs(fam, var, source, entries, by_key, config, path, req, warning
             continue
         site = lora_by_base.get(inner)
         if site is not None:
-            pre = Pre((e.key, inner_to_src[site.a], inner_to_src[site.b]), _lora_fn(site), f"LoRA fold x{site.scale:g}")
-            steps.append(_make_step(new_key, [pre], TRANSFORMS["copy"].to_cs, {}, 0, "lora_fold", 2.0, by_key))
+            pre = Pre((e.key, inner_to_src[site.a], inner_to_src[site.b]), lora_fn(site), f"LoRA fold x{site.scale:g}")
+            steps.append(make_step(new_key, [pre], TRANSFORMS["copy"].to_cs, {}, 0, "lora_fold", 2.0, by_key))
             continue
         steps.append(Step(replace(e, key=new_key), (e.key,)))
     if sites:
@@ -794,10 +503,20 @@ def _in_spec_order(steps: list[Step], spec: TreeSpec) -> list[Step]:
     return sorted(steps, key=lambda s: position[s.out.key])
 
 
-def _plan_hf_style(fam, var, source, entries, by_key, config, path, warnings, hf_style) -> tuple[Plan, ConfigResult]:
+def _plan_hf_style(ctx: PlanContext, hf_style: set[str]) -> tuple[Plan, ConfigResult]:
     """CS -> CS across a release whose model keys were Hugging Face style (BERT and T5 in 1.6):
     keys go through the family's own import (or export) rules; the optimizer state, keyed to the
     old parameters, is not carried over (as the Model Zoo does)."""
+    fam, var, source, entries, by_key, config, path, warnings = (
+        ctx.fam,
+        ctx.var,
+        ctx.source,
+        ctx.entries,
+        ctx.by_key,
+        ctx.config,
+        ctx.path,
+        ctx.warnings,
+    )
     model_entries, rest = _split_cs(entries)
     src_node, tgt_node = path[0], path[-1]
     conf = convert_config_doc(fam, var, config, path)
@@ -923,16 +642,3 @@ def _metadata_append(
         top_labels.append("__metadata__")
         top_children.append(TreeSpec(LIST, None, [rspec]))
     return new_steps, TreeSpec(DICT, top_labels, top_children)
-
-
-def convert_family_config(doc: Mapping[str, Any], *, model: str, src_fmt: str, tgt_fmt: str) -> ConfigResult:
-    """Convert the config document of a family's model in memory (no checkpoint involved)."""
-    fam, var = resolve(model)
-    src = upgrades.parse_format(src_fmt, side="source")
-    if src == "cs-auto":
-        raise InvalidRequest("cs-auto needs a checkpoint to read the release from; name the release (cs-X.Y)")
-    tgt = upgrades.parse_format(tgt_fmt, side="target")
-    path = upgrades.find_path(fam, src, tgt)
-    if len(path) == 1:
-        return ConfigResult(dict(doc), {}, {}, [], [])
-    return convert_config_doc(fam, var, doc, path)
