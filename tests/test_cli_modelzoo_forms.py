@@ -193,6 +193,26 @@ def test_diff_counts_nan_and_infinities_as_stored(tmp_path: Path, capsys: pytest
     assert by_key["v"]["max_abs_diff"] == 1.0 and by_key["v"]["max_rel_diff"] == 1.0
 
 
+def test_diff_of_dtypes_torch_cannot_promote(tmp_path: Path) -> None:
+    # float8 has no promotion rules and no allclose kernel, uint16 none with int32: compared widened.
+    from ckptconv import diff
+
+    x = torch.tensor([0.5, -1.25, 3.0, 448.0])
+    a = {"f8": x.to(torch.float8_e4m3fn), "mixed": x.to(torch.float8_e4m3fn), "u": torch.arange(4).to(torch.uint16)}
+    b = {"f8": x.to(torch.float8_e4m3fn), "mixed": x, "u": torch.arange(4, dtype=torch.int32)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    for op in ("equal", "allclose"):
+        result = diff(str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), op=op)
+        by_key = {d.key: d for d in result.differences}
+        assert set(by_key) == {"mixed", "u"}  # f8 equal to itself under allclose too
+        assert by_key["mixed"].what == ["dtype"] and by_key["u"].what == ["dtype"]  # same values
+    save_file({**b, "f8": (x * 2).to(torch.float8_e5m2)}, tmp_path / "c.safetensors")
+    result = diff(str(tmp_path / "a.safetensors"), str(tmp_path / "c.safetensors"), op="allclose")
+    f8 = next(d for d in result.differences if d.key == "f8")
+    assert f8.what == ["dtype", "values"] and f8.max_abs_diff == 448.0
+
+
 def test_cerebras_classes_agree_with_the_simulator() -> None:
     from ckptconv.engine.layouts.registry import list_models
     from ckptconv.engine.simulator.config import MODEL_CLASSES

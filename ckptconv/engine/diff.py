@@ -164,7 +164,7 @@ def _tensors_match(ta: Any, tb: Any, op: str, rtol: float, atol: float) -> bool:
     if ta.dtype == tb.dtype and (op == "equal" or not inexact):
         # Bit for bit: NaN payloads and -0.0 count, as a checkpoint stores them.
         return torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8))
-    common = torch.promote_types(ta.dtype, tb.dtype)
+    common = _common_dtype(ta.dtype, tb.dtype)
     if not (common.is_floating_point or common.is_complex):
         return all(torch.equal(sa.to(common), sb.to(common)) for sa, sb in _slices(ta, tb))
     if op == "equal":
@@ -172,6 +172,22 @@ def _tensors_match(ta: Any, tb: Any, op: str, rtol: float, atol: float) -> bool:
     return all(
         torch.allclose(sa.to(common), sb.to(common), rtol=rtol, atol=atol, equal_nan=True) for sa, sb in _slices(ta, tb)
     )
+
+
+def _common_dtype(da: Any, db: Any) -> Any:
+    """The dtype both sides are compared in. torch has no promotion rules for float8 and for
+    uint16/32/64 with other types, and no arithmetic kernels for float8: those go through a wider type
+    that holds every value of both sides (float8 in float32; integers in int64, uint64 in float64)."""
+    import torch
+
+    try:
+        common = torch.promote_types(da, db)
+    except RuntimeError:
+        exact = not (da.is_floating_point or db.is_floating_point) and torch.uint64 not in (da, db)
+        common = torch.int64 if exact else torch.float64
+    if common.is_floating_point and common.itemsize == 1:  # float8
+        common = torch.float32
+    return common
 
 
 def _max_differences(ta: Any, tb: Any) -> tuple[float | None, float | None]:
