@@ -70,6 +70,24 @@ class PlanContext:
     req: Request
     warnings: list[str]
 
+    def unpack(
+        self,
+    ) -> tuple[
+        Family, Variant, TensorSource, list[Entry], dict[str, Entry], dict[str, Any], list[str], Request, list[str]
+    ]:
+        """Every field, in declaration order (the builders read them as locals)."""
+        return (
+            self.fam,
+            self.var,
+            self.source,
+            self.entries,
+            self.by_key,
+            self.config,
+            self.path,
+            self.req,
+            self.warnings,
+        )
+
 
 def build_family_plan(
     source: TensorSource,
@@ -224,15 +242,7 @@ def _resolve_links(by_key: Mapping[str, Entry], key: str) -> str:
 
 
 def _plan_import(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
-    fam, var, entries, by_key, config, path, warnings = (
-        ctx.fam,
-        ctx.var,
-        ctx.entries,
-        ctx.by_key,
-        ctx.config,
-        ctx.path,
-        ctx.warnings,
-    )
+    fam, var, _, entries, by_key, config, path, _, warnings = ctx.unpack()
     conf = convert_config_doc(fam, var, config, path)
     env = _env(fam, conf)
     rules = fam.rules_for(var)
@@ -275,16 +285,7 @@ def _is_none(e: Entry) -> bool:
 
 
 def _plan_export(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
-    fam, var, entries, by_key, config, path, req, warnings = (
-        ctx.fam,
-        ctx.var,
-        ctx.entries,
-        ctx.by_key,
-        ctx.config,
-        ctx.path,
-        ctx.req,
-        ctx.warnings,
-    )
+    fam, var, _, entries, by_key, config, path, req, warnings = ctx.unpack()
     model_entries, rest = _split_cs(entries)
     canon_node = path[-2]
     canon_to_src: dict[str, str] = {}
@@ -363,17 +364,7 @@ def _plan_export(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
 
 
 def _plan_cs_to_cs(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
-    fam, var, source, entries, by_key, config, path, req, warnings = (
-        ctx.fam,
-        ctx.var,
-        ctx.source,
-        ctx.entries,
-        ctx.by_key,
-        ctx.config,
-        ctx.path,
-        ctx.req,
-        ctx.warnings,
-    )
+    fam, var, source, entries, by_key, config, path, req, warnings = ctx.unpack()
     model_entries, rest = _split_cs(entries)
     src_node, tgt_node = path[0], path[-1]
     shapes = {}
@@ -507,16 +498,7 @@ def _plan_hf_style(ctx: PlanContext, hf_style: set[str]) -> tuple[Plan, ConfigRe
     """CS -> CS across a release whose model keys were Hugging Face style (BERT and T5 in 1.6):
     keys go through the family's own import (or export) rules; the optimizer state, keyed to the
     old parameters, is not carried over (as the Model Zoo does)."""
-    fam, var, source, entries, by_key, config, path, warnings = (
-        ctx.fam,
-        ctx.var,
-        ctx.source,
-        ctx.entries,
-        ctx.by_key,
-        ctx.config,
-        ctx.path,
-        ctx.warnings,
-    )
+    fam, var, source, entries, by_key, config, path, _, warnings = ctx.unpack()
     model_entries, rest = _split_cs(entries)
     src_node, tgt_node = path[0], path[-1]
     conf = convert_config_doc(fam, var, config, path)
