@@ -515,3 +515,33 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_it_with_nothing_partial_visib
         assert list(scratch_dir.iterdir()) == []
     finally:
         svc.stop()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_hostile_dcp_metadata_is_a_typed_answer_of_the_api(service: Service, tmp_path: Path) -> None:
+    # A distributed checkpoint whose .metadata lies (a size of text, chunks that overlap): the
+    # interactive worker answers inspect and plan with a typed problem, never a 5xx.
+    import pickle
+
+    import torch
+    from dcp_writer import grid, save_dcp
+
+    from ckptconv.core.errors import CorruptCheckpoint
+
+    def upload(name: str, edit) -> str:
+        d = save_dcp({"w": torch.arange(8.0)}, tmp_path / name, {"w": grid((8,), (4,))})
+        meta = pickle.loads((d / ".metadata").read_bytes())  # the test's own file, written by torch above
+        edit(meta.state_dict_metadata["w"])
+        (d / ".metadata").write_bytes(pickle.dumps(meta))
+        for f in d.iterdir():
+            boto3.client("s3").upload_file(str(f), service.bucket, f"team/{name}/{f.name}")
+        return f"s3://{service.bucket}/team/{name}"
+
+    text_size = upload("dcp-text-size", lambda md: setattr(md, "size", ("8",)))
+    overlap = upload("dcp-overlap", lambda md: setattr(md.chunks[2], "offsets", torch.Size([2])))
+    with service.client() as c:
+        for uri in (text_size, overlap):
+            with pytest.raises(CorruptCheckpoint):
+                c.inspect(uri)
+            with pytest.raises(CorruptCheckpoint):
+                c.plan(uri, f"s3://{service.bucket}/team/dcp-out.mdl", to="cs-h5")
