@@ -21,6 +21,9 @@ not hostile). Entries marked ``weights_only`` are the ones ``torch.load(weights_
 accepts: a torch archive's ``data.pkl`` is read with that subset only, so ckptconv reads (and
 writes) exactly the archives torch's safe loader reads. Callables are wrapped where an argument
 could make them expensive (``bytearray(10**12)``).
+
+One concept at about 600 lines: the allowlist and the stand-ins its entries map to, kept together
+so that what a pickle may name is read in one place.
 """
 
 from __future__ import annotations

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError
+from ckptconv.engine.layouts.config_table import ConfigTable
 from ckptconv.engine.layouts.dictpath import MISSING, get_path
-
-if TYPE_CHECKING:
-    from ckptconv.engine.layouts.config import ConfigTable
-
 
 # --- conversion context and hooks --------------------------------------------------------------
 

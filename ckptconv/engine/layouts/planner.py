@@ -13,6 +13,10 @@ The path through the release graph (``ckptconv.engine.layouts.upgrades``) decide
   converted (warning);
 - ``cs-X -> cs-Y``: model keys renamed (tied pairs repaired going up to 2.0), every other
   top-level entry copied, a ``__metadata__`` record appended.
+
+One concept at about 600 lines: the four plan builders of one family's conversion (import, export,
+CS -> CS, across a Hugging Face style release) and what they share; the config, source metadata
+and step pieces live in ``config_plan``, ``source_info`` and ``steps``.
 """
 
 from __future__ import annotations
