@@ -12,12 +12,14 @@ use of ``app`` from the environment's settings, so importing it stays cheap and 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from celery import Celery
 from celery.signals import worker_init, worker_process_init, worker_ready
 from kombu import Exchange, Queue
 
+from ckptconv.core.jobstore import JobStore, RedisKeys
 from ckptconv.core.settings import Settings, get_settings
 
 
@@ -68,7 +70,6 @@ def make_celery(settings: Settings | None = None) -> Celery:
 def _start_reaper(**_: Any) -> None:
     """Each worker's main process runs the reaper (see worker/reaper.py) beside its consumer."""
     from worker.reaper import Reaper
-    from worker.tasks import settings, store
 
     Reaper(store(), settings()).start()
 
@@ -87,6 +88,28 @@ def _sweep_scratch(**_: Any) -> None:
 
 
 _app: Celery | None = None
+_store: JobStore | None = None
+_store_pid: int | None = None
+
+
+def settings() -> Any:
+    """The settings the application was built with."""
+    return __getattr__("app").conf.ckptconv_settings
+
+
+def store() -> JobStore:
+    """One Redis client per process (created after a prefork fork, never shared across one)."""
+    global _store, _store_pid
+    if _store is None or _store_pid != os.getpid():
+        import redis
+
+        s = settings()
+        client = redis.Redis.from_url(
+            s.redis_url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30
+        )
+        _store = JobStore(client, RedisKeys(s.redis_prefix, s.broker_prefix), retention_seconds=s.job_retention_seconds)
+        _store_pid = os.getpid()
+    return _store
 
 
 def __getattr__(name: str) -> Any:

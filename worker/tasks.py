@@ -77,10 +77,10 @@ from ckptconv.core.errors import (
     WorkerLost,
 )
 from ckptconv.core.fencing import Attempt, attempt_scope
-from ckptconv.core.jobstore import TERMINAL, JobStore, RedisKeys, encode_field, iso, job_resource, now_ms
+from ckptconv.core.jobstore import TERMINAL, JobStore, encode_field, iso, job_resource, now_ms
 from ckptconv.core.webhooks import sign
 from ckptconv.engine.convert import inspect as inspect_checkpoint
-from worker.celery_app import app
+from worker.celery_app import app, settings, store
 
 log = logging.getLogger("ckptconv.worker")
 
@@ -89,29 +89,6 @@ REPLY_TTL_SECONDS = 60
 MIRROR_SUFFIX = ".ckptconv-job.json"
 INFRA_BACKOFF_MAX_SECONDS = 30.0
 _infra_failures = 0  # consecutive Redis failures of this process's jobs: their requeue backs off
-
-_store: JobStore | None = None
-_store_pid: int | None = None
-
-
-def settings() -> Any:
-    return app.conf.ckptconv_settings
-
-
-def store() -> JobStore:
-    """One Redis client per process (created after a prefork fork, never shared across one)."""
-    global _store, _store_pid
-    if _store is None or _store_pid != os.getpid():
-        import redis
-
-        s = settings()
-        client = redis.Redis.from_url(
-            s.redis_url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30
-        )
-        _store = JobStore(client, RedisKeys(s.redis_prefix, s.broker_prefix), retention_seconds=s.job_retention_seconds)
-        _store_pid = os.getpid()
-    return _store
-
 
 # --- jobs --------------------------------------------------------------------------------------
 
