@@ -35,9 +35,10 @@ from ckptconv.core.webhooks import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {
-    # Short beats so that a lost worker is noticed in seconds, not minutes.
-    "CKPTCONV_HEARTBEAT_SECONDS": "0.5",
-    "CKPTCONV_VISIBILITY_TIMEOUT_SECONDS": "2",
+    # Short enough that a lost worker is noticed in seconds, not minutes; long enough that a worker
+    # starved of CPU on a loaded machine keeps its lease (3 beats = 3 s) and its message (6 s).
+    "CKPTCONV_HEARTBEAT_SECONDS": "1",
+    "CKPTCONV_VISIBILITY_TIMEOUT_SECONDS": "6",
     "CKPTCONV_REAPER_INTERVAL_SECONDS": "1",
     "CKPTCONV_WEBHOOK_BACKOFF_SECONDS": "0.2",
     "CKPTCONV_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true",
@@ -298,29 +299,39 @@ def test_dry_run_and_inspect_through_a_worker(service: Service) -> None:
     assert not listing(service.bucket, "team/plan-out")  # a dry run writes nothing
 
 
-def test_a_job_longer_than_the_visibility_timeout_is_delivered_once(service: Service) -> None:
-    # Many small tensors: each is one ranged S3 read, so the job outlasts the visibility timeout twice over.
-    make_checkpoint(service.bucket, "team/long/model.safetensors", 600)
+def test_a_job_longer_than_the_visibility_timeout_is_delivered_once(
+    redis_url: str, bucket: str, s3_server: str, tmp_path: Path
+) -> None:
+    from faultproxy import FaultProxy
 
-    def deliveries() -> int:
-        lines = [line for p in service.procs[1:] for line in Path(p.log_path).read_text().splitlines()]
-        return sum(1 for line in lines if "ckptconv.run_job[" in line and line.rstrip().endswith("received"))
+    # Many small tensors, each one ranged S3 read, and every S3 request of the workers delayed by
+    # 30 ms: the job outlasts the visibility timeout twice over however fast the machine is.
+    make_checkpoint(bucket, "team/long/model.safetensors", 600)
+    with FaultProxy(s3_server) as proxy:
+        proxy.on_request = lambda *_: time.sleep(0.03)
+        svc = Service(redis_url, bucket, tmp_path, env={"AWS_ENDPOINT_URL": proxy.url})
+        try:
+            svc.start_worker()
+            svc.start_worker()  # idle: where a second delivery of the message would go
 
-    before = deliveries()
-    with service.client() as c:
-        job = c.submit(
-            f"s3://{service.bucket}/team/long/model.safetensors",
-            f"s3://{service.bucket}/team/long-out/model.mdl",
-            to="cs-h5",
-        )
-        job = c.wait(job["id"], timeout=120)
-    assert job["state"] == "succeeded" and job["attempts"] == 1
-    ran = (_ms(job["finished_at"]) - _ms(job["started_at"])) / 1000
-    assert ran > 2 * float(FAST["CKPTCONV_VISIBILITY_TIMEOUT_SECONDS"]), (
-        f"job too short to prove anything ({ran:.1f} s)"
-    )
-    # The heartbeat kept the broker from handing the message to the idle second worker.
-    assert deliveries() - before == 1
+            def deliveries() -> int:
+                lines = [line for p in svc.procs[1:] for line in Path(p.log_path).read_text().splitlines()]
+                return sum(1 for line in lines if "ckptconv.run_job[" in line and line.rstrip().endswith("received"))
+
+            with svc.client() as c:
+                job = c.submit(
+                    f"s3://{bucket}/team/long/model.safetensors", f"s3://{bucket}/team/long-out/model.mdl", to="cs-h5"
+                )
+                job = c.wait(job["id"], timeout=300)
+            assert job["state"] == "succeeded" and job["attempts"] == 1
+            ran = (_ms(job["finished_at"]) - _ms(job["started_at"])) / 1000
+            assert ran > 2 * float(FAST["CKPTCONV_VISIBILITY_TIMEOUT_SECONDS"]), (
+                f"job too short to prove anything ({ran:.1f} s)"
+            )
+            # The heartbeat kept the broker from handing the message to the idle second worker.
+            assert deliveries() == 1
+        finally:
+            svc.stop()
 
 
 def _ms(iso: str) -> float:
@@ -477,9 +488,11 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_it_with_nothing_partial_visib
         stop = threading.Event()
 
         def watch() -> None:
+            # Samples the target all through the job (both attempts and publication); every sample must
+            # show complete objects only. Every 0.2 s: a tighter loop starves the S3 server the workers need.
             while not stop.is_set():
                 snapshots.append(listing(bucket, target_key))
-                time.sleep(0.02)
+                time.sleep(0.2)
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
