@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from tiny_models import tiny_llama as tiny_llama_model
 
@@ -246,3 +247,26 @@ def test_listing_into_a_closed_pipe_ends_quietly() -> None:
         os.close(write_end)
     err = proc.stderr.decode()
     assert proc.returncode == 141 and "Traceback" not in err, err
+
+
+def test_export_lists_cerebras_config_keys_no_rule_maps(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cs"
+    to_cs = ["--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9"]
+    rc = main(["convert-model", str(tiny_llama), str(out), *to_cs])
+    assert rc == 0
+    config = out / "config_to_cs-2.9.yaml"
+    doc = yaml.safe_load(config.read_text())
+    doc["model"]["a_setting_of_our_own"] = 3
+    config.write_text(yaml.safe_dump(doc))
+    capsys.readouterr()
+    argv = ["convert-model", str(out / "model_to_cs-2.9.mdl"), str(tmp_path / "hf"), "--model", "llama"]
+    rc = main([*argv, "--src-fmt", "cs-2.9", "--tgt-fmt", "hf", "--config", str(config), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    warning = next(w for w in result["warnings"] if "Key not matched" in w)
+    listed = set(warning.split(": ", 2)[-1].split(", "))
+    assert "a_setting_of_our_own" in listed
+    # keys the rules read are not listed
+    assert not listed & {"hidden_size", "num_hidden_layers", "vocab_size", "num_heads", "position_embedding_type"}

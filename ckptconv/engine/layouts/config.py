@@ -189,12 +189,13 @@ def export_config(
     registry_name: str,
     variant: Mapping[str, Any],
     top: Mapping[str, Any] | None = None,
-) -> tuple[dict[str, Any], list[str]]:
-    """CS ``model`` section -> HF config dict (keys in rule order). Returns (hf, warnings).
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """CS ``model`` section -> HF config dict (keys in rule order).
 
-    ``top`` is the rest of the CS run YAML, for the few hooks that read outside ``model``."""
+    Returns (hf, warnings, ignored CS keys). ``top`` is the rest of the CS run YAML, for the few
+    hooks that read outside ``model``."""
     ctx = Ctx(table, release, registry_name, variant, top=dict(top or {}))
-    src = fill_defaults(dict(cs_model), table.cs_defaults)
+    src = _ReadRecorder(fill_defaults(dict(cs_model), table.cs_defaults))
     for key, want in table.cs_consts.items():
         have = get_path(src, key)
         if have is MISSING:
@@ -227,7 +228,39 @@ def export_config(
             raise fail(
                 f"Can't convert config with fp16_type={fp16!r}. Only bfloat16, cbfloat16, float16 are supported."
             )
-    return hf, ctx.warnings
+    ignored = [k for k in cs_model if k not in src.read and k not in _CS_ALWAYS_IGNORED]
+    return hf, ctx.warnings, ignored
+
+
+# The registry name a 2.3+ model section carries; the target family already says it.
+_CS_ALWAYS_IGNORED = {"name"}
+
+
+class _ReadRecorder(dict):
+    """A config section that remembers which top-level keys the rules and hooks looked at.
+
+    The export side has no list of the keys each hook reads (the import side declares them), so
+    the keys nobody looked at are what no rule maps: the Model Zoo logs them as "Key not matched"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.read.add(key)
+        return super().pop(key, *default)
 
 
 def _run_hook(fn: Hook, src: dict[str, Any], out: dict[str, Any], ctx: Ctx, side: str) -> None:

@@ -135,7 +135,7 @@ def convert_config_doc(
             warnings.append("muP parameters were folded into the weights (muP -> sP); embeddings are untied")
         if lora_sites:
             model = folding.lora_config(model, lora_sites)
-        hf, w = export_config(
+        hf, w, ignored = export_config(
             table,
             model,
             release=release,
@@ -144,7 +144,7 @@ def convert_config_doc(
             top={k: v for k, v in at.items() if k != MODEL},
         )
         warnings += w
-        return ConfigResult(hf, fill_defaults(model, table.cs_defaults), hf, warnings, [], mup)
+        return ConfigResult(hf, fill_defaults(model, table.cs_defaults), hf, warnings, ignored, mup)
     out = upgrades.config_along(dict(doc), path, fam, warnings)
     model = cs_model_section(out)
     if lora_sites:
