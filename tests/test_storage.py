@@ -11,6 +11,7 @@ import io
 import os
 import random
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,23 +24,32 @@ from ckptconv.core.errors import (
     StorageError,
     TargetExists,
 )
+from ckptconv.core.scopes import Scopes
 from ckptconv.storage import confine, is_s3, open_storage, split_s3
 from ckptconv.storage.base import Storage
+from ckptconv.storage.confined import ConfinedStorage, scoped
 
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["local", "file-uri", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Storage, str]:
-    """(storage, base URI of an empty area) for each backend."""
-    if request.param == "s3":
+@pytest.fixture(params=["local", "file-uri", "s3", "local-confined", "s3-confined"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Storage, str]]:
+    """(storage, base URI of an empty area) for each backend; "-confined": opened in a job's scope
+    that grants exactly the area (the confined storage meets the same contract inside its scopes)."""
+    if request.param.startswith("s3"):
         bucket = request.getfixturevalue("s3_bucket")
         base = f"s3://{bucket}/area"
     elif request.param == "file-uri":
         base = (tmp_path / "area").as_uri()
     else:
-        base = str(tmp_path / "area")
-    return open_storage(base), base
+        base = str(tmp_path.resolve() / "area")
+    if not request.param.endswith("-confined"):
+        yield open_storage(base), base
+        return
+    with scoped(Scopes.of([base + "/"])):
+        storage = open_storage(base)
+        assert isinstance(storage, ConfinedStorage)
+        yield storage, base
 
 
 def payload(n: int, seed: int = 0) -> bytes:

@@ -64,6 +64,9 @@ def make_celery(settings: Settings | None = None) -> Celery:
     worker_process_init.connect(_bound_allocator, weak=False, dispatch_uid="ckptconv-allocator-child")
     worker_init.connect(_sweep_scratch, weak=False, dispatch_uid="ckptconv-scratch")
     worker_ready.connect(_start_reaper, weak=False, dispatch_uid="ckptconv-reaper")
+    # Storage opened outside a job's scope reaches nothing (see ckptconv.storage.confined).
+    worker_init.connect(_confine_storage, weak=False, dispatch_uid="ckptconv-confine")
+    worker_process_init.connect(_confine_storage, weak=False, dispatch_uid="ckptconv-confine-child")
     return app
 
 
@@ -85,6 +88,13 @@ def _sweep_scratch(**_: Any) -> None:
     from ckptconv.storage import scratch
 
     scratch.sweep()
+
+
+def _confine_storage(**_: Any) -> None:
+    from ckptconv.core.scopes import NOTHING
+    from ckptconv.storage.confined import set_default_scopes
+
+    set_default_scopes(NOTHING)
 
 
 _app: Celery | None = None

@@ -78,8 +78,10 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.fencing import Attempt, attempt_scope
 from ckptconv.core.jobstore import TERMINAL, JobStore, encode_field, iso, job_resource, now_ms
+from ckptconv.core.scopes import NOTHING, Scopes
 from ckptconv.core.webhooks import sign
 from ckptconv.engine.convert import inspect as inspect_checkpoint
+from ckptconv.storage.confined import scoped
 from worker.celery_app import app, settings, store
 
 log = logging.getLogger("ckptconv.worker")
@@ -151,13 +153,15 @@ class JobRun:
         if outcome[0] == "exhausted":
             # Each attempt ended with its worker lost (killed, out of memory): do not loop forever.
             self.attempt = int(outcome[1])
-            self._fail_for_good(rec, WorkerLost(f"the job's worker was lost {outcome[1]} times; not trying again"))
+            with scoped(record_scopes(rec)):
+                self._fail_for_good(rec, WorkerLost(f"the job's worker was lost {outcome[1]} times; not trying again"))
             return
         if outcome[0] != "started":
             return  # final or gone meanwhile
         self.attempt = int(outcome[1])
         try:
-            with attempt_scope(Attempt(self.job_id, self.attempt, self._fence)):
+            # Everything the job touches in storage, from its request or from files, stays in its owner's scopes.
+            with scoped(record_scopes(rec)), attempt_scope(Attempt(self.job_id, self.attempt, self._fence)):
                 self._run_attempt(self.store.get(self.job_id) or rec, previous=outcome[2])
         finally:
             self.stopped.set()
@@ -357,12 +361,25 @@ def _reply(reply_key: str, compute: Callable[[], Any]) -> None:
 
 @app.task(name="ckptconv.plan")
 def plan(reply_key: str, payload: dict[str, Any]) -> None:
-    _reply(reply_key, lambda: jobs.plan(jobs.context_from_request(payload)))
+    with scoped(record_scopes(payload)):
+        _reply(reply_key, lambda: jobs.plan(jobs.context_from_request(payload)))
 
 
 @app.task(name="ckptconv.inspect")
 def inspect(reply_key: str, payload: dict[str, Any]) -> None:
-    _reply(reply_key, lambda: inspect_checkpoint(payload["uri"], source_format=payload.get("format")))
+    with scoped(record_scopes(payload)):
+        _reply(reply_key, lambda: inspect_checkpoint(payload["uri"], source_format=payload.get("format")))
+
+
+def record_scopes(doc: dict[str, Any]) -> Scopes:
+    """The scopes a job record or a dry-run payload carries (JSON in a record; ``None``: every location).
+
+    One written without scopes (by an older API) grants nothing: confinement fails closed.
+    """
+    if "scopes" not in doc:
+        return NOTHING
+    value = doc["scopes"]
+    return Scopes.from_record(json.loads(value) if isinstance(value, str) else value)
 
 
 # --- webhooks --------------------------------------------------------------------------------

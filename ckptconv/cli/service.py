@@ -382,11 +382,13 @@ def _redis_and_keys() -> tuple[Any, Any]:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from ckptconv.core.auth import _prefix, create_key, generate_key, hash_key
+    from ckptconv.core.auth import create_key, generate_key, hash_key
+    from ckptconv.core.scopes import canonical_prefix
 
-    for prefix in args.prefix:
-        if not prefix.endswith("/"):
-            print(f"note: prefix {prefix!r} has no trailing '/': it also matches {prefix}-other/...", file=sys.stderr)
+    prefixes = [canonical_prefix(p) for p in args.prefix]
+    for given, prefix in zip(args.prefix, prefixes, strict=True):
+        if given != prefix:
+            print(f"note: prefix {given!r} stored as {prefix!r} (prefixes match whole segments)", file=sys.stderr)
     if args.file:
         import yaml
 
@@ -396,13 +398,13 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
             with open(args.file) as f:
                 doc = yaml.safe_load(f) or {"keys": []}
         doc.setdefault("keys", []).append(
-            {"name": args.name, "sha256": hash_key(key), "prefixes": [_prefix(p) for p in args.prefix]}
+            {"name": args.name, "sha256": hash_key(key), "prefixes": prefixes}
         )
         with open(args.file, "w") as f:
             yaml.safe_dump(doc, f, sort_keys=False)
     else:
         client, keys = _redis_and_keys()
-        key, _ = create_key(client, keys, args.name, args.prefix)
+        key, _ = create_key(client, keys, args.name, prefixes)
     print(key)
     print("store this key now: only its hash is kept", file=sys.stderr)
     return 0

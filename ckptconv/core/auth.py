@@ -3,8 +3,10 @@
 - A key is ``ckc_`` + 43 URL-safe characters (256 random bits), shown once when created. Only its
   SHA-256 is stored: in Redis (``ckptconv keys create``: hash ``{p}apikey:<sha256>``) or in a keys
   file given to ``ckptconv serve --api-keys-file`` (YAML or JSON: ``keys: [{name, sha256, prefixes}]``).
-- Each key has a name and the URI prefixes it may touch: every URI of a request (source, target,
-  URIs inside options) must start with one of them (403 otherwise). Jobs belong to the key that
+- Each key has a name and the URI prefixes it may touch (:mod:`ckptconv.core.scopes`: prefixes end
+  with ``/`` and match whole segments). Every URI of a request (source, target, URIs inside options)
+  must lie under one of them (403 otherwise), and the worker checks every URI a job touches again at
+  its storage layer. Jobs belong to the key that
   created them; other keys get 404 for them.
 - Lookups are cached in the process for ``auth_cache_seconds`` (also misses, for a shorter time),
   so a request pays no Redis round trip for its key; revoking a key takes effect within that time.
@@ -16,16 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import logging
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptconv.core.errors import Forbidden, InvalidRequest, PathEscape, Unauthorized
+from ckptconv.core.errors import CkptconvError, Unauthorized
 from ckptconv.core.jobstore import RedisKeys
-from ckptconv.core.uri import local_path_of, scheme_of, split_s3
+from ckptconv.core.scopes import UNRESTRICTED, Scopes, canonical_prefix, canonical_uri
+
+log = logging.getLogger("ckptconv.auth")
 
 KEY_PREFIX = "ckc_"
 NEGATIVE_CACHE_SECONDS = 2.0
@@ -44,63 +48,43 @@ def principal_id(key_hash: str) -> str:
     return "key_" + key_hash[:16]
 
 
-def canonical_uri(uri: str) -> str:
-    """The form of ``uri`` that scopes are checked against (and that jobs record).
-
-    ``s3://bucket/key`` stays as written but may not contain ``.``/``..`` segments (some S3-compatible
-    stores normalise them); local paths must be absolute (a worker's working directory is not the
-    caller's) and are normalised. Other schemes are refused.
-    """
-    if "\x00" in uri:
-        raise InvalidRequest(f"URI contains a NUL byte: {uri!r}")
-    scheme = scheme_of(uri)
-    if scheme == "s3":
-        _bucket, key = split_s3(uri)
-        if any(seg in (".", "..") for seg in key.split("/")):
-            raise PathEscape(f"URI has a '.' or '..' segment: {uri!r}", uri=uri)
-        return uri
-    if scheme == "file":
-        path = local_path_of(uri)
-        if not os.path.isabs(path):
-            raise InvalidRequest(
-                f"relative path {uri!r}: the service needs absolute paths (or s3:// URIs)",
-                hint="write local locations as /absolute/path or file:///absolute/path",
-            )
-        if any(seg == ".." for seg in path.split("/")):
-            raise PathEscape(f"path has a '..' segment: {uri!r}", uri=uri)
-        normal = os.path.normpath(path)
-        return normal + "/" if path.endswith("/") and normal != "/" else normal
-    raise InvalidRequest(
-        f"unsupported URI scheme {scheme!r} in {uri!r}", hint="use s3://bucket/key or an absolute local path"
-    )
-
-
 @dataclass(frozen=True)
 class Principal:
     """Who is calling: owns jobs under ``id`` and may touch URIs under ``prefixes``."""
 
     id: str
     name: str
-    prefixes: tuple[str, ...]
 
-    def check_uri(self, uri: str) -> None:
-        """Raise Forbidden unless ``uri`` (canonical) lies under one of this principal's prefixes."""
-        if not any(uri.startswith(p) for p in self.prefixes):
-            raise Forbidden(
-                f"this API key may not access {uri}",
-                hint="ask for a key whose prefixes cover this location; this key allows: "
-                + (", ".join(self.prefixes) or "(nothing)"),
-            )
+    scopes: Scopes
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return self.scopes.prefixes or ()
+
+    def check_uri(self, uri: str) -> str:
+        """The canonical form of ``uri``; Forbidden unless it lies under one of this principal's prefixes."""
+        return self.scopes.check(canonical_uri(uri))
 
 
-DEV_PRINCIPAL = Principal("dev", "development", ("",))
+DEV_PRINCIPAL = Principal("dev", "development", UNRESTRICTED)
 
 
 def principal_from_record(key_hash: str, rec: dict[str, Any]) -> Principal:
     prefixes = rec.get("prefixes", [])
     if isinstance(prefixes, str):
         prefixes = json.loads(prefixes)
-    return Principal(principal_id(key_hash), str(rec.get("name") or principal_id(key_hash)), tuple(prefixes))
+    return Principal(principal_id(key_hash), str(rec.get("name") or principal_id(key_hash)), _scopes(prefixes))
+
+
+def _scopes(prefixes: list[str]) -> Scopes:
+    """A stored key's scopes; a prefix that no longer passes the rules grants nothing (and is logged)."""
+    kept = []
+    for prefix in prefixes:
+        try:
+            kept.append(canonical_prefix(prefix))
+        except CkptconvError as e:
+            log.warning("API key prefix %r ignored: %s", prefix, e)
+    return Scopes(tuple(kept))
 
 
 def load_keys_file(path: Path) -> dict[str, Principal]:
@@ -113,12 +97,10 @@ def load_keys_file(path: Path) -> dict[str, Principal]:
         digest = str(entry["sha256"]).lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ValueError(f"{path}: key {entry.get('name')!r} has no valid sha256")
-        out[digest] = principal_from_record(digest, {**entry, "prefixes": [_prefix(p) for p in entry["prefixes"]]})
+        # An unusable prefix in the file is an operator's mistake: refuse to start rather than drop it.
+        prefixes = [canonical_prefix(p) for p in entry["prefixes"]]
+        out[digest] = principal_from_record(digest, {**entry, "prefixes": prefixes})
     return out
-
-
-def _prefix(prefix: str) -> str:
-    return canonical_uri(prefix) if prefix else prefix
 
 
 class KeyRegistry:
@@ -165,7 +147,7 @@ def create_key(redis: Any, keys: RedisKeys, name: str, prefixes: list[str]) -> t
     rec = {
         "name": name,
         "id": principal_id(digest),
-        "prefixes": json.dumps([_prefix(p) for p in prefixes]),
+        "prefixes": json.dumps([canonical_prefix(p) for p in prefixes]),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     pipe = redis.pipeline()

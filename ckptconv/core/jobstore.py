@@ -2,7 +2,8 @@
 
 Layout (every key starts with ``Settings.redis_prefix``, written ``{p}`` below):
 
-- ``{p}job:{id}``: one hash per job (``state``, ``owner``, ``kind``, ``request`` JSON, ``progress``,
+- ``{p}job:{id}``: one hash per job (``state``, ``owner``, ``scopes`` (JSON: the URI prefixes of the
+  owner's key, ``null`` for every location), ``kind``, ``request`` JSON, ``progress``,
   ``result``, ``error``, timestamps in ms, ``attempts``, ``cancel_requested``, ``delivery_tag``).
   It is not a Celery result: it never expires with Celery's result backend; a finished job keeps
   it for ``job_retention_seconds``. The worker also mirrors the finished record as JSON beside the
@@ -427,10 +428,14 @@ def new_record(
     webhook_secret: str | None,
     created: int,
     target_key: str | None = None,
+    scopes: list[str] | None,
 ) -> dict[str, str]:
+    """A new job's record. ``scopes`` are the URI prefixes of the owner's key (None: every location),
+    which the worker's storage enforces on everything the job touches."""
     rec = {
         "id": job_id,
         "owner": owner,
+        "scopes": json.dumps(scopes),
         "kind": kind,
         "state": "queued",
         "request": json.dumps(request, separators=(",", ":"), sort_keys=True),

@@ -1,7 +1,8 @@
 """Storage: bytes behind URIs (``s3://bucket/key``, local paths, ``file://`` URIs).
 
 ``open_storage(uri)`` picks the backend by scheme and returns a shared, thread-safe instance
-(one per scheme and S3 endpoint). The contract every backend meets is in
+(one per scheme and S3 endpoint), confined to the current job's URI prefixes when a job runs
+(:mod:`ckptconv.storage.confined`). The contract every backend meets is in
 :mod:`ckptconv.storage.base`; names from untrusted input are joined with ``Storage.join`` or
 :func:`confine`, never by string concatenation.
 
@@ -16,6 +17,7 @@ import threading
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.core.uri import check_relative, confine, is_local, is_s3, join, local_path_of, scheme_of, split_s3
 from ckptconv.storage.base import ObjectInfo, RangeReader, Storage, Writer
+from ckptconv.storage.confined import confine_storage
 
 __all__ = [
     "ObjectInfo",
@@ -54,7 +56,9 @@ def open_storage(uri: str) -> Storage:
     """The storage backend for ``uri``: S3 for ``s3://``, local for paths and ``file://``.
 
     Raises :class:`~ckptconv.core.errors.InvalidRequest` for other schemes and malformed S3 URIs.
-    Instances are cached and shared between threads.
+    Instances are cached and shared between threads. Inside a job's scope (see
+    :mod:`ckptconv.storage.confined`) the backend comes wrapped so that it touches only the URIs the
+    job's owner may touch.
     """
     scheme = scheme_of(uri)
     if scheme == "s3":
@@ -80,4 +84,4 @@ def open_storage(uri: str) -> Storage:
 
                 storage = LocalStorage()
             _instances[key] = storage
-    return storage
+    return confine_storage(storage)

@@ -90,6 +90,7 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
         webhook_secret=body.webhook.secret if body.webhook else None,
         created=created,
         target_key=state.keys.target(target_doc["uri"]) if target_doc else None,
+        scopes=caller.scopes.to_record(),
     )
     response_body = _json(job_resource(rec))
     record_key = idempotency_record_key(state, caller, idempotency_key) if idempotency_key else None

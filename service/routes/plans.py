@@ -7,7 +7,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from ckptconv.core.auth import canonical_uri
 from ckptconv.jobs.kinds import get_kind
 from service.deps import Authorized, IdempotencyKey, fingerprint, idempotency_record_key
 from service.idempotency import idempotent
@@ -44,6 +43,7 @@ async def create_plan(
         "source": source,
         "target": target,
         "options": body.options.model_dump(mode="json", exclude_none=True),
+        "scopes": caller.scopes.to_record(),
     }
 
     async def produce() -> Response:
@@ -67,7 +67,8 @@ async def inspect_checkpoint(
     uri: Annotated[str, Query(min_length=1, max_length=2048, description="s3://bucket/key or an absolute path")],
     format: Annotated[FormatName | None, Query(description="detected when omitted")] = None,
 ) -> Response:
-    canonical = canonical_uri(uri)
-    call.caller.check_uri(canonical)
-    view = await call_worker(call.state, "ckptconv.inspect", {"uri": canonical, "format": format})
+    canonical = call.caller.check_uri(uri)
+    view = await call_worker(
+        call.state, "ckptconv.inspect", {"uri": canonical, "format": format, "scopes": call.caller.scopes.to_record()}
+    )
     return Response(json.dumps(view, separators=(",", ":")), media_type="application/json")
