@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import (
     InvalidRequest,
     LeaseLost,
@@ -247,7 +248,7 @@ def discard_staging(target: str, job_id: str, staging: str | None = None) -> Non
 
 def _read_json(storage: Storage, uri: str) -> dict[str, Any] | None:
     try:
-        return json.loads(storage.read_all(uri))
+        return load_json(storage.read_all(uri), what=f"the manifest {uri}")
     except ObjectNotFound:
         return None
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import (
     ConversionError,
     CorruptCheckpoint,
@@ -175,10 +176,7 @@ class CsS3Source(TensorSource):
         text = meta.get("metadata") or meta.get("Metadata")
         if not text:
             return {}
-        try:
-            out = json.loads(text)
-        except ValueError:
-            raise CorruptCheckpoint(f"{key!r}: the user metadata of {uri} is not JSON") from None
+        out = load_json(text, what=f"{key!r}: the user metadata of {uri}")
         return out if isinstance(out, dict) else {}
 
     # --- protocol ------------------------------------------------------------------------------

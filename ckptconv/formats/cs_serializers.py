@@ -21,6 +21,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptconv.core.bounded import load_json
 from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import (
     CorruptCheckpoint,
@@ -82,10 +83,9 @@ def dumps_json(obj: Any) -> str:
 
 
 def loads_json(text: str | bytes, what: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, TypeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(text, str | bytes):
+        raise CorruptCheckpoint(f"{what} is not JSON text but {type(text).__name__}")
+    return load_json(text, what=what)
 
 
 # --- root spec ---------------------------------------------------------------------------------

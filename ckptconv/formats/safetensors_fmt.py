@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.bounded import load_json
 from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import (
     CorruptCheckpoint,
@@ -166,10 +167,8 @@ def read_header(storage: Storage, uri: str, *, base: int = 0) -> Header:
     raw = head[8 : 8 + n] if 8 + n <= len(head) else storage.read_range(uri, base + 8, n)
     if not raw.lstrip(JSON_WHITESPACE).startswith(b"{"):
         raise CorruptCheckpoint(f"{uri}: the safetensors header is not a JSON object")
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpoint(f"{uri}: the safetensors header is not valid UTF-8 JSON: {e}") from e
+    # A header is one object of objects (two levels, __metadata__ included): refuse deeper nesting early.
+    doc = load_json(raw, what=f"{uri}: the safetensors header", max_depth=4, object_pairs_hook=_no_duplicate_keys)
     if not isinstance(doc, dict):
         raise CorruptCheckpoint(f"{uri}: the safetensors header is not a JSON object")
     metadata = doc.pop("__metadata__", None)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound, UnsupportedFormat
 from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
@@ -190,10 +191,7 @@ def read_index(storage: Storage, uri: str) -> ShardIndex:
     size = storage.stat(uri).size
     if size > MAX_INDEX_BYTES:
         raise CorruptCheckpoint(f"index file {uri} is {size} bytes, more than an index can be")
-    try:
-        doc = json.loads(storage.read_range(uri, 0, size))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpoint(f"index file {uri} is not valid JSON: {e}") from e
+    doc = load_json(storage.read_range(uri, 0, size), what=f"index file {uri}", max_bytes=MAX_INDEX_BYTES)
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise CorruptCheckpoint(f"index file {uri} has no weight_map object")
     metadata = doc.get("metadata", {})
@@ -485,10 +483,7 @@ def build_record(entries: list[Entry], spec: TreeSpec | None) -> dict[str, Any] 
 def parse_record(raw: Any, where: str) -> dict[str, Any]:
     """Validate a record read from a file (a JSON string in a header, an object in an index)."""
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise CorruptCheckpoint(f"{where}: the {RECORD_KEY} metadata is not JSON: {e}") from e
+        raw = load_json(raw, what=f"{where}: the {RECORD_KEY} metadata")
     if not isinstance(raw, dict) or type(raw.get("version")) is not int:
         raise CorruptCheckpoint(f"{where}: the {RECORD_KEY} metadata has no version")
     if raw["version"] > RECORD_VERSION:

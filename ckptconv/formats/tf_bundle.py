@@ -45,6 +45,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.bounded import load_json
 from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import (
     ConversionError,
@@ -424,10 +425,7 @@ class TfSource(TensorSource):
         if e.size > MAX_METADATA_BYTES:
             raise CorruptCheckpoint(f"{METADATA_KEY} is {e.size} bytes")
         (text,) = decode_strings(self._read_checked(METADATA_KEY, e), 1, METADATA_KEY)[0]
-        try:
-            doc = json.loads(text)
-        except ValueError as err:
-            raise CorruptCheckpoint(f"{METADATA_KEY} is not valid JSON: {err}") from err
+        doc = load_json(text, what=METADATA_KEY)
         if not isinstance(doc, dict) or doc.get("format") != METADATA_FORMAT:
             return None  # someone else's tensor of that name: treat the bundle as plain TensorFlow
         if not isinstance(doc.get("entries"), list):

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import CorruptCheckpoint, KeyCollision, UnsupportedValue
 
 DICT = "builtins.dict"
@@ -65,10 +66,9 @@ class TreeSpec:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> TreeSpec:
-        try:
-            data = json.loads(text)
-        except (ValueError, TypeError) as e:
-            raise CorruptCheckpoint(f"tree spec is not valid JSON: {e}") from e
+        if not isinstance(text, str | bytes):
+            raise CorruptCheckpoint(f"tree spec is not JSON text but {type(text).__name__}")
+        data = load_json(text, what="tree spec")
         if not isinstance(data, list) or len(data) != 2 or data[0] != 1:
             raise CorruptCheckpoint("tree spec is not a protocol-1 torch treespec")
         return _node_from_json(data[1])
@@ -103,13 +103,8 @@ def _node_from_json(obj: Any) -> TreeSpec:
     if t not in _KNOWN:
         raise CorruptCheckpoint(f"tree spec names an unknown node type {t!r}")
     raw = obj.get("context")
-    if t == NAMEDTUPLE:
-        ctx = raw
-    else:
-        try:
-            ctx = json.loads(raw) if isinstance(raw, str) else raw
-        except ValueError as e:
-            raise CorruptCheckpoint(f"tree spec context is not JSON: {raw!r}") from e
+    parse = t != NAMEDTUPLE and isinstance(raw, str)
+    ctx = load_json(raw, what="tree spec context") if parse else raw
     children = [_node_from_json(c) for c in kids]
     if t in (DICT, ODICT) and (not isinstance(ctx, list) or len(ctx) != len(children)):
         raise CorruptCheckpoint("tree spec dict keys do not match its children")

@@ -38,6 +38,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "st_metadata_not_str.safetensors": ("CorruptCheckpoint", "open"),
     "st_bad_record.safetensors": ("CorruptCheckpoint", "open"),
     "st_truncated.safetensors": ("CorruptCheckpoint", "open"),
+    "st_deep_header.safetensors": ("CorruptCheckpoint", "open"),
+    "st_deep_metadata.safetensors": ("CorruptCheckpoint", "open"),
+    "st_deep_record.safetensors": ("CorruptCheckpoint", "open"),
+    "st_index_deep": ("CorruptCheckpoint", "open"),
     "st_index_parent_escape": ("PathEscape", "open"),
     "st_index_absolute_escape": ("PathEscape", "open"),
     "torch_exec.pt": ("UnsafeCheckpoint", "open"),
@@ -113,7 +117,19 @@ def safetensors_files() -> dict[str, bytes]:
             bytes(16),
         ),
         "st_truncated.safetensors": good[: len(good) - 5],
+        # Nesting far past Python's recursion limit: json.loads would raise RecursionError.
+        "st_deep_header.safetensors": _st(b'{"a":' + b"[" * DEEP + b"]" * DEEP + b"}", b""),
+        "st_deep_metadata.safetensors": _st(
+            b'{"__metadata__":{"format":' + b"{" * DEEP + b"}" * DEEP + b"}}", b""
+        ),
+        # A metadata string that is itself JSON (the record ckptconv writes), nested deep.
+        "st_deep_record.safetensors": _st(
+            {"__metadata__": {"format": "pt", "ckptconv": "[" * DEEP + "]" * DEEP}, **two}, bytes(16)
+        ),
     }
+
+
+DEEP = 20_000
 
 
 def _escape_index(shard: str) -> bytes:
@@ -129,6 +145,13 @@ def index_dirs() -> dict[str, dict[str, bytes]]:
         },
         "st_index_absolute_escape": {
             "model.safetensors.index.json": _escape_index("/etc/passwd"),
+            "model.safetensors": shard,
+        },
+        "st_index_deep": {
+            "model.safetensors.index.json": b'{"weight_map":{"a":"model.safetensors"},"metadata":'
+            + b"[" * DEEP
+            + b"]" * DEEP
+            + b"}",
             "model.safetensors": shard,
         },
         "torch_index_escape": {

@@ -9,6 +9,7 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
+from ckptconv.core.bounded import load_json, load_yaml
 from ckptconv.core.errors import ConfigConversionError, ObjectNotFound
 from ckptconv.engine.layouts.dictpath import get_path
 from ckptconv.storage import open_storage
@@ -21,14 +22,8 @@ def _read(uri: str) -> bytes:
 
 def parse_config_bytes(data: bytes, name: str) -> dict[str, Any]:
     """A config file's content: JSON (``config.json``) or YAML (Cerebras run files)."""
-    import yaml
-
-    kind = "JSON" if name.endswith(".json") else "YAML"
-    try:
-        text = data.decode("utf-8")
-        doc = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
-    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
-        raise ConfigConversionError(f"{name} is not valid {kind}: {e}") from e
+    load = load_json if name.endswith(".json") else load_yaml
+    doc = load(data, what=name, error=ConfigConversionError)
     if not isinstance(doc, dict):
         raise ConfigConversionError(f"{name} does not hold a mapping of config keys")
     return doc
@@ -111,6 +106,5 @@ def dump_cs_yaml(doc: Mapping[str, Any]) -> bytes:
 
 
 def dump_hf_json(cfg: Mapping[str, Any]) -> bytes:
-    import json
 
     return (json.dumps(dict(cfg), indent=4) + "\n").encode()

@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from ckptconv.core.bounded import load_yaml
 from ckptconv.core.errors import InvalidRequest, StorageError
 from ckptconv.core.uri import is_local, local_path_of
 from ckptconv.storage import Storage, open_storage
@@ -304,10 +305,7 @@ class CheckpointIndex:
     def _read(self) -> list[str]:
         if not self.storage.exists(self.uri):
             return []
-        try:
-            data = yaml.safe_load(self.storage.read_all(self.uri))
-        except yaml.YAMLError as e:
-            raise StorageError(f"{self.uri} is not valid YAML: {e}") from e
+        data = load_yaml(self.storage.read_all(self.uri), what=self.uri, error=StorageError)
         if data is None:
             return []
         if not isinstance(data, list) or not all(isinstance(x, str) for x in data):

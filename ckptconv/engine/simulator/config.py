@@ -18,8 +18,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
+from ckptconv.core.bounded import load_yaml
 from ckptconv.core.errors import InvalidRequest, SimulationError, UnknownModel
 
 GPT2 = "GPT2LMHeadModel"
@@ -358,10 +357,7 @@ class CsModelConfig:
 
 
 def load_yaml_text(text: str | bytes) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise InvalidRequest(f"the Cerebras config is not valid YAML: {e}") from e
+    data = load_yaml(text, what="the Cerebras config", error=InvalidRequest)
     if not isinstance(data, dict):
         raise InvalidRequest("the Cerebras config must be a YAML mapping with a `model:` or `trainer:` section")
     return data
