@@ -36,6 +36,7 @@ from test_simulator_trainer import config as trainer_config
 from ckptconv.engine.simulator.checkpoint_io import write_checkpoint
 
 REFUSED = {"forbidden", "path_escape", "invalid_request"}
+BURST = {"CKPTCONV_RATE_LIMIT_PER_SECOND": "0"}  # the corpus is a burst of requests from one key
 _LOG_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -94,7 +95,7 @@ def world(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     root = tmp / "root"
     (root / "team").mkdir(parents=True)
     (tmp / "svc").mkdir()
-    svc = Service(redis_url, bucket, tmp / "svc", prefixes=[f"s3://{bucket}/team/", f"{root}/team/"])
+    svc = Service(redis_url, bucket, tmp / "svc", prefixes=[f"s3://{bucket}/team/", f"{root}/team/"], env=BURST)
     try:
         svc.start_worker()
         yield {"svc": svc, "s3": s3, "bucket": bucket, "root": root, "client": client}

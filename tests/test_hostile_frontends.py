@@ -60,7 +60,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def service(redis_url: str, bucket: str, corpus: Path) -> Iterator[Service]:  # noqa: F811
     (corpus / "svc").mkdir()
-    svc = Service(redis_url, bucket, corpus / "svc", prefixes=[f"{corpus}/data/"])
+    # The corpus is a burst of requests from one key: no rate limit here.
+    burst = {"CKPTCONV_RATE_LIMIT_PER_SECOND": "0"}
+    svc = Service(redis_url, bucket, corpus / "svc", prefixes=[f"{corpus}/data/"], env=burst)
     try:
         svc.start_worker()
         yield svc

@@ -139,6 +139,7 @@ def test_every_operation_is_checked_on_s3(s3_bucket: str) -> None:
         assert isinstance(storage, ConfinedStorage)
         with storage.open_writer(inside, metadata={"metadata": "{}"}) as w:  # a backend's own option
             w.write(b"mine")
+        assert storage.backend(inside) is storage.inner
         buf = bytearray(4)
         storage.read_into(inside, 0, buf)
         assert buf == b"mine"
@@ -158,6 +159,7 @@ def test_every_operation_is_checked_on_s3(s3_bucket: str) -> None:
             lambda: storage.publish([(inside, outside)], overwrite=True),
             lambda: storage.publish([(outside, f"s3://{s3_bucket}/team/stolen")]),
             lambda: storage.local_path(outside),
+            lambda: storage.backend(outside),
             lambda: storage.user_metadata(outside),
         ]
         for call in calls:

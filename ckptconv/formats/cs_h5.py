@@ -371,7 +371,12 @@ class CsH5Sink(CerebrasSink):
             else:
                 from ckptconv.storage.part_upload import PartUpload
 
-                upload = PartUpload(self.storage, self.uri, part_size=self.part_size, concurrency=self.concurrency)
+                upload = PartUpload(
+                    self.storage.backend(self.uri),  # drives S3's multipart calls for this one object
+                    self.uri,
+                    part_size=self.part_size,
+                    concurrency=self.concurrency,
+                )
                 self._placement = StreamedPlacement(self._tmp_path, upload, list(self._regions.values()))
 
     def _allocate(self) -> dict[str, Region]:

@@ -156,6 +156,10 @@ class ConfinedStorage(Storage):
     def join(self, base: str, *parts: str) -> str:
         return self.inner.join(base, *parts)
 
+    def backend(self, uri: str) -> Storage:
+        self._check(uri)
+        return self.inner.backend(uri)
+
     def __getattr__(self, name: str) -> Any:
         # Optional capabilities of one backend that take a URI first (S3 user metadata): checked too.
         if name not in _URI_CAPABILITIES:
