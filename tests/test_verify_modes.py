@@ -65,3 +65,19 @@ def test_hash_verification_catches_a_sink_that_alters_values(tmp_path):
         with pytest.raises(VerificationFailed, match="w3"):
             run_plan(plan, src, to="safetensors", target=str(tmp_path / "out"), sink_factory=_ZeroingSink)
     assert not (tmp_path / "out").exists()
+
+
+def test_model_conversion_checks_its_renamed_copies_by_hash(tmp_path):
+    # A layout conversion mostly renames: each plain copy is hashed as read and as written; only the
+    # transformed tensors (rotary-permuted q/k here) are checked for presence alone.
+    pytest.importorskip("transformers")
+    from tiny_models import tiny_llama
+
+    from ckptconv import convert_model, plan_model
+
+    tiny_llama().save_pretrained(tmp_path / "hf")
+    plan = plan_model(str(tmp_path / "hf"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
+    copies = [s for s in plan.steps if s.recipe.startswith("copy(")]
+    result = convert_model(str(tmp_path / "hf"), str(tmp_path / "out"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
+    assert result.verify["ok"] and result.verify["mode"] == "hashes"
+    assert 0 < len(copies) < len(plan.steps) and result.verify["entries_checked"] == len(copies)

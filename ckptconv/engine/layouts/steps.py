@@ -85,7 +85,11 @@ def make_step(
     labels = [p.label for p in pres if p.label]
     if labels:
         shown["pre"] = "; ".join(labels)
-    t = Transform(name, fn, shown, peak_factor=peak)
+    if name == "copy" and len(flat) == 1 and not shown and all(f is None for f in fns):
+        # The value exactly as read: the default verification compares its hashes as read and as written.
+        t = IDENTITY
+    else:
+        t = Transform(name, fn, shown, peak_factor=peak)
     return Step(Entry(out_key, "tensor", dtype, tuple(probe.shape)), tuple(flat), t)
 
 
