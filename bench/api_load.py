@@ -10,7 +10,8 @@ Both sides run 2 uvicorn workers against the same Redis; 50 connections load the
 - bare POST: pydantic validation, one HSET, one Celery ``send_task``; bare GET: one HGETALL.
 - ckptconv POST /v1/jobs: API-key auth (hashed, cached), the per-key rate limit (one Redis round
   trip per share of the budget, not per request), the body limit, validation, scope checks, an
-  Idempotency-Key per request, and one Redis script (record + indexes + idempotency record + the
+  Idempotency-Key per request (one EXISTS), the target checked for existing data (a local stat and
+  listing, in a thread, bounded in time), and one Redis script (record + indexes + idempotency record + the
   Celery message); GET /v1/jobs/{id}: auth, rate limit, one HGETALL, the job resource.
 
 No worker runs: messages pile up in queues under a prefix of this run, deleted at the end. Prints
@@ -41,9 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
 KEY = "ckc_bench-" + uuid.uuid4().hex
 SUBMIT_BODY = {
     "kind": "convert",
-    "source": {"uri": "s3://bench/in/model.safetensors"},
+    # Local paths under the run's directory: the submit path checks that the target does not exist
+    # (a stat and a listing here; with s3:// URIs it would need an S3 server).
+    "source": {"uri": "__ROOT__/in/model.safetensors"},
     # Every request names its own target (a target is reserved by one live job at a time).
-    "target": {"uri": "s3://bench/out/__N__/model.mdl", "format": "cs-h5"},
+    "target": {"uri": "__ROOT__/out/__N__/model.mdl", "format": "cs-h5"},
     "labels": {"suite": "bench"},
 }
 
@@ -276,7 +279,7 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="ckptconv-bench-"))
     (tmp / "keys.yaml").write_text(
-        f"keys:\n  - name: bench\n    sha256: {hash_key(KEY)}\n    prefixes: ['s3://bench/']\n"
+        f"keys:\n  - name: bench\n    sha256: {hash_key(KEY)}\n    prefixes: ['{tmp}/']\n"
     )
     run_id = uuid.uuid4().hex[:8]
     prefix_ours = f"ckptconv-bench-{run_id}:"
@@ -306,11 +309,11 @@ def main() -> int:
         )
         ours_url, bare_url = f"http://127.0.0.1:{p_ours}", f"http://127.0.0.1:{p_bare}"
         auth = {"Authorization": f"Bearer {KEY}"}
-        first = json.loads(json.dumps(SUBMIT_BODY).replace("__N__", f"first-{run_id}"))
+        submit_body = json.dumps(SUBMIT_BODY, separators=(",", ":")).replace("__ROOT__", str(tmp))
+        first = json.loads(submit_body.replace("__N__", f"first-{run_id}"))
         job_id = httpx.post(ours_url + "/v1/jobs", json=first, headers=auth).raise_for_status().json()["id"]
         bare_id = httpx.post(bare_url + "/jobs", json=first).raise_for_status().json()["id"]
-        body = json.dumps(SUBMIT_BODY, separators=(",", ":"))
-        body_head, _, body_tail = body.partition("__N__")
+        body_head, _, body_tail = submit_body.partition("__N__")
 
         cases = {
             "bare POST /jobs": (bare_url + "/jobs", "POST", {}),
@@ -344,7 +347,7 @@ def main() -> int:
                         url,
                         method,
                         {**headers, "Content-Type": "application/json"},
-                        body.encode() if method == "POST" else None,
+                        submit_body.encode() if method == "POST" else None,
                         args.duration,
                         args.connections,
                     )

@@ -37,7 +37,7 @@ def drop_prefix(client: redis.Redis, prefix: str) -> None:
 
 
 @pytest.fixture
-def api(redis_url: str, tmp_path: Path):
+def api(redis_url: str, s3_server: str, tmp_path: Path):
     prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
     settings = Settings(
         environment="development",
@@ -85,7 +85,7 @@ def assert_problem(response, status: int, code: str) -> dict:
 # --- the process boundary ---------------------------------------------------------------------
 
 
-def test_api_process_never_imports_torch_or_h5py(redis_url: str, tmp_path: Path) -> None:
+def test_api_process_never_imports_torch_or_h5py(redis_url: str, s3_server: str, tmp_path: Path) -> None:
     prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
     code = f"""
 import sys

@@ -119,7 +119,7 @@ def test_server_errors_show_a_correlation_id_and_log_the_details(caplog: pytest.
 
 
 @pytest.fixture
-def served(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
+def served(redis_url: str, s3_server: str, prefix: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
     """One API process with two keys (a, b), small stream caps and a 1 MiB body limit."""
     keys = {name: f"ckc_{name}-{uuid.uuid4().hex}" for name in ("a", "b")}
     env = {

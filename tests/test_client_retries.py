@@ -101,7 +101,7 @@ class FaultyProxy:
 
 
 @pytest.fixture
-def service(redis_url: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
+def service(redis_url: str, s3_server: str, tmp_path: Path) -> Iterator[SimpleNamespace]:
     prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
     key = f"ckc_retry-{uuid.uuid4().hex}"
     r = redis.Redis.from_url(redis_url, decode_responses=True)

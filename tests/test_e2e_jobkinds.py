@@ -19,7 +19,7 @@ from test_e2e_service import Service, bucket  # noqa: F401 - bucket is a fixture
 from test_fix_spec import gpt_tree, tsd_class, write_legacy  # noqa: F401 - tsd_class is a fixture
 from test_simulator_trainer import config as trainer_config
 
-from ckptconv.core.errors import Forbidden, InvalidRequest
+from ckptconv.core.errors import Forbidden, InvalidRequest, TargetTaken
 from ckptconv.formats.cs_h5 import CsH5Source
 from ckptconv.storage import open_storage
 
@@ -215,13 +215,13 @@ def test_fix_spec_repairs_a_legacy_checkpoint(service: Service, data: Path, tsd_
     with h5py.File(r["output"], "r") as f:
         assert b"TensorScalarDict" not in bytes.fromhex(f.attrs["__spec__"])
 
-    # An explicit target; the same target again is refused (never overwritten).
+    # An explicit target; the same target again is refused at submit (never overwritten).
     target = str(data / "fixed" / "repaired.mdl")
     (data / "fixed").mkdir()
     job = run(service, str(legacy), target, to="cs-h5", kind="fix-spec")
     assert job["state"] == "succeeded" and job["result"]["output"] == target
-    job = run(service, str(legacy), target, to="cs-h5", kind="fix-spec")
-    assert job["state"] == "failed" and job["error"]["code"] == "target_exists"
+    with pytest.raises(TargetTaken):
+        run(service, str(legacy), target, to="cs-h5", kind="fix-spec")
 
 
 def test_dataloader_state_is_added_as_the_2_0_entry(service: Service, data: Path) -> None:

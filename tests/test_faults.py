@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import uuid
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import boto3
 import httpx
 import pytest
 import redis
@@ -39,7 +41,7 @@ in_process = e2e.in_process
 
 
 @pytest.fixture(scope="module")
-def api(redis_url: str, tmp_path_factory: pytest.TempPathFactory):
+def api(redis_url: str, s3_server: str, tmp_path_factory: pytest.TempPathFactory):
     """An API process with no worker: submitted jobs stay queued (their bucket need not exist)."""
     svc = Service(redis_url, "faults-api", tmp_path_factory.mktemp("api"))
     try:
@@ -94,6 +96,65 @@ def test_distinct_targets_are_not_reserved_together(api: Service) -> None:
     assert _submit(api, base + "/a.mdl").status_code == 202
     assert _submit(api, base + "/b.mdl").status_code == 202
     assert _submit(api, base + "/a.mdl2").status_code == 202
+
+
+def test_an_existing_file_target_is_refused_at_submit(api: Service, s3_server: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket=api.bucket)
+    key = f"team/exists-{uuid.uuid4().hex[:6]}/model.mdl"
+    s3.put_object(Bucket=api.bucket, Key=key, Body=b"earlier bytes")
+    refused = _submit(api, f"s3://{api.bucket}/{key}")
+    assert refused.status_code == 409 and refused.headers["content-type"].startswith("application/problem+json")
+    body = refused.json()
+    assert body["code"] == "target_taken" and body["status"] == 409
+    assert body["type"] == "https://ckptconv.dev/problems/target_taken" and body["title"]
+    assert body["detail"] == f"s3://{api.bucket}/{key} already exists" and "overwrite" in body["hint"]
+    assert body["details"] == {"uri": f"s3://{api.bucket}/{key}"}
+    assert s3.get_object(Bucket=api.bucket, Key=key)["Body"].read() == b"earlier bytes"
+    # Nothing was reserved: the same target is refused for its bytes, and a free one is accepted.
+    assert _submit(api, f"s3://{api.bucket}/{key}").json()["code"] == "target_taken"
+    assert _submit(api, f"s3://{api.bucket}/{key}.new").status_code == 202
+
+
+def test_an_existing_directory_or_bundle_target_is_refused_at_submit(api: Service, s3_server: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket=api.bucket)
+    base = f"team/dir-{uuid.uuid4().hex[:6]}"
+    s3.put_object(Bucket=api.bucket, Key=f"{base}/out/__METADATA__", Body=b"{}")  # objects under the target
+    s3.put_object(Bucket=api.bucket, Key=f"{base}/tf/model.index", Body=b"")  # a TF bundle named by its prefix
+    auth = {"Authorization": f"Bearer {api.key}"}
+
+    def submit(target: str, fmt: str) -> httpx.Response:
+        body = {
+            "kind": "convert",
+            "source": {"uri": f"s3://{api.bucket}/team/in/model.safetensors"},
+            "target": {"uri": target, "format": fmt},
+        }
+        return httpx.post(api.url + "/v1/jobs", json=body, headers=auth, timeout=30)
+
+    for target, fmt in ((f"{base}/out", "cs-s3"), (f"{base}/out/", "cs-s3"), (f"{base}/tf/model", "tf")):
+        refused = submit(f"s3://{api.bucket}/{target}", fmt)
+        assert refused.status_code == 409 and refused.json()["code"] == "target_taken", (target, refused.text)
+    assert submit(f"s3://{api.bucket}/{base}/other", "cs-s3").status_code == 202
+
+
+def test_an_unreachable_object_store_at_submit_is_a_503_with_retry_after(api: Service) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = api.start_api(AWS_ENDPOINT_URL=dead, CKPTCONV_TARGET_CHECK_TIMEOUT_SECONDS="2")
+    r = httpx.post(
+        url + "/v1/jobs",
+        json={
+            "kind": "convert",
+            "source": {"uri": f"s3://{api.bucket}/team/in/model.safetensors"},
+            "target": {"uri": f"s3://{api.bucket}/team/unreachable/model.mdl", "format": "cs-h5"},
+        },
+        headers={"Authorization": f"Bearer {api.key}"},
+        timeout=30,
+    )
+    assert r.status_code == 503 and r.json()["code"] == "storage_unavailable", r.text
+    assert int(r.headers["retry-after"]) > 0 and r.json()["correlation_id"]
 
 
 # --- publication never replaces bytes it did not write -----------------------------------------

@@ -49,7 +49,7 @@ REFUSED = [
 
 
 @pytest.fixture
-def production_api(redis_url: str) -> Iterator[tuple[TestClient, dict[str, str]]]:
+def production_api(redis_url: str, s3_server: str) -> Iterator[tuple[TestClient, dict[str, str]]]:
     prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
     settings = Settings(environment="production", webhook_secret=SECRET, redis_url=redis_url, redis_prefix=prefix)
     r = redis.Redis.from_url(redis_url, decode_responses=True)

@@ -226,6 +226,15 @@ class WorkerTimeout(ServiceUnavailable):
     default_hint = "retry later; check that a worker consumes the interactive queue (`ckptconv worker`)"
 
 
+class StorageUnavailable(ServiceUnavailable):
+    """The object store did not answer a check the API makes itself (in time, or at all)."""
+
+    code = "storage_unavailable"
+    title = "Object store unavailable"
+    default_hint = "retry after the Retry-After delay; check that the object store is reachable"
+    retry_after = 5
+
+
 # --- storage ---------------------------------------------------------------------------------
 
 

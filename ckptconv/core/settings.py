@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     # Every worker looks for jobs with neither a live owner nor a message this often (worker/reaper.py).
     reaper_interval_seconds: float = Field(default=30.0, gt=0)
 
+    # The API's own look at a job's target at submit (is something there already?): bounded, so
+    # that a slow object store answers 503 instead of holding the request.
+    target_check_timeout_seconds: float = Field(default=5.0, gt=0)
     # Synchronous worker round trips of the API (dry runs, inspections).
     plan_timeout_seconds: float = Field(default=60.0, gt=0)
 

@@ -59,7 +59,7 @@ from ckptconv.engine.execute import (
     verify_output,
 )
 from ckptconv.engine.plan import Plan
-from ckptconv.formats import sink_class, source_class
+from ckptconv.formats import sink_class, source_class, target_exists
 from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
@@ -207,13 +207,6 @@ def _attempt_stagings(layout: _Layout, job_id: str) -> list[_Layout]:
     return [dataclasses.replace(layout, staging=layout.storage.join(root, a)) for a in order]
 
 
-def _target_exists(storage: Storage, target: str, fmt: str) -> bool:
-    if storage.exists(target) or any(True for _ in storage.list(target + "/")):
-        return True
-    # A TF bundle is named by its prefix: its files are <target>.index and <target>.data-*.
-    return fmt == "tf" and storage.exists(target + ".index")
-
-
 def _discard(layout: _Layout, prefix: str | None = None) -> None:
     """Delete the staging prefix (or ``prefix``, a job's staging root; on S3 with its incomplete
     multipart uploads) and, locally, the temp files of writers that died mid-write and the
@@ -295,7 +288,7 @@ def run_plan(
     done = _resume(layout, job_id)
     if done is not None:
         return done
-    if _target_exists(storage, layout.target, to):
+    if target_exists(storage, layout.target, to):
         raise TargetExists(f"{layout.target} already exists")
 
     memory = plan.memory({e.key: e.nbytes for e in src.entries()}, memory_budget)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ckptconv.core.errors import UnknownFormat, UnsupportedFormat
 from ckptconv.formats.base import TensorSink, TensorSource
+from ckptconv.storage.base import Storage
 
 
 @dataclass(frozen=True)
@@ -100,3 +101,13 @@ def source_class(name: str) -> type[TensorSource]:
 
 def sink_class(name: str) -> type[TensorSink]:
     return _load(name, FORMATS[name].sink if name in FORMATS else None)
+
+
+def target_exists(storage: Storage, target: str, fmt: str | None) -> bool:
+    """Whether writing ``target`` would meet something already there: an object at the URI, objects
+    under it (a directory or prefix target), or for a TF bundle (named by its prefix) its ``.index``.
+    Conversions never overwrite; the API refuses such a target at submit and the engine again
+    before writing (two submissions can race past the first check)."""
+    if storage.exists(target) or any(True for _ in storage.list(target + "/")):
+        return True
+    return fmt == "tf" and storage.exists(target + ".index")

@@ -52,6 +52,9 @@ class JobKind:
     options: type[KindOptions]
     description: str
     target: TargetRule  # whether a job of this kind writes to a target
+    # Whether the target must not exist yet (the API refuses an existing one at submit); false for a
+    # kind whose target is a directory its outputs go into.
+    new_target: bool = True
 
     @property
     def handler_module(self) -> str:
@@ -61,14 +64,16 @@ class JobKind:
 KINDS: dict[str, JobKind] = {}
 
 
-def job_kind(name: str, *, target: TargetRule = "required") -> Callable[[type[KindOptions]], type[KindOptions]]:
+def job_kind(
+    name: str, *, target: TargetRule = "required", new_target: bool = True
+) -> Callable[[type[KindOptions]], type[KindOptions]]:
     """Class decorator registering ``cls`` as the options model of job kind ``name``."""
 
     def register(cls: type[KindOptions]) -> type[KindOptions]:
         if name in KINDS:
             raise ValueError(f"job kind {name!r} registered twice")
         description = inspect.cleandoc(cls.__doc__ or name).split("\n\n")[0].replace("\n", " ")
-        KINDS[name] = JobKind(name, cls, description, target)
+        KINDS[name] = JobKind(name, cls, description, target, new_target)
         return cls
 
     return register
@@ -159,7 +164,7 @@ ModelLayout = Annotated[
 ]
 
 
-@job_kind("convert-model", target="optional")
+@job_kind("convert-model", target="optional", new_target=False)
 class ConvertModelOptions(KindOptions):
     """Convert a checkpoint and its config between Hugging Face and Cerebras Model Zoo layouts (families, releases).
 

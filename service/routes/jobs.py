@@ -30,6 +30,7 @@ from service.idempotency import replay
 from service.schemas.common import problem_responses
 from service.schemas.jobs import JOB_EVENT, Job, JobList, JobRequest, JobState, KindName
 from service.scopes import scoped_refs
+from service.targets import refuse_existing_target
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
@@ -72,6 +73,11 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
 
     if body.webhook is not None:
         await webhooks.check_at_submit(body.webhook.url, settings.webhook_allow_private_networks)
+    record_key = idempotency_record_key(state, caller, idempotency_key) if idempotency_key else None
+    # A retried request whose job was created answers from its record (below), even though that job
+    # may have written the target since.
+    if target_doc is not None and kind.new_target and not (record_key and await state.redis.exists(record_key)):
+        await refuse_existing_target(target_doc, settings.target_check_timeout_seconds)
     job_id = new_job_id()
     created = now_ms()
     request_doc = {
@@ -93,7 +99,6 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
         scopes=caller.scopes.to_record(),
     )
     response_body = _json(job_resource(rec))
-    record_key = idempotency_record_key(state, caller, idempotency_key) if idempotency_key else None
     fp = fingerprint("POST", "/v1/jobs", body.model_dump(mode="json")) if record_key else ""
     outcome = await state.store.submit(
         rec,
