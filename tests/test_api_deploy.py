@@ -45,7 +45,12 @@ def test_image_runs_as_a_non_root_user_with_the_pinned_cpu_torch() -> None:
         for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
         if d.startswith("torch")
     )
-    assert f"pip install {pin} --index-url https://download.pytorch.org/whl/cpu" in text
+    # Dependencies come from the hashed lock, whose torch is the pinned release's CPU build (served by
+    # PyTorch's CPU index; the default wheel pulls CUDA).
+    install = "pip install --require-hashes -r requirements.lock --extra-index-url https://download.pytorch.org/whl/cpu"
+    assert "COPY requirements.lock ./" in text and install in text
+    lock = (ROOT / "requirements.lock").read_text()
+    assert re.search(rf"^{re.escape(pin)}\+cpu \\\n\s+--hash=sha256:[0-9a-f]{{64}}", lock, re.M), pin
     # Every directory the package needs is copied into the image.
     for package in ("ckptconv", "service", "worker"):
         assert f"COPY {package} ./{package}" in text

@@ -298,6 +298,7 @@ async def _seed(redis_url: str, prefix: str, bucket_name: str, n: int) -> None:
             request=request,
             webhook_secret=None,
             created=int(job_id[4:16], 16),
+            scopes=None,  # development mode: the owner's key names no prefixes
         )
         # Queued on a queue no worker reads: the records and indexes are what the page reads.
         await store.submit(
