@@ -74,14 +74,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import redis.asyncio
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
 
         def client(max_connections: int) -> Any:
+            # After a Redis restart every pooled connection is dead; without a retry each one failed
+            # its next command once (a 503 per connection). A command is resent on a fresh connection
+            # only after a connection error, i.e. when it did not reach the server or its reply was
+            # lost; the submit script stays safe to resend: an Idempotency-Key replay returns its job
+            # and the target reservation refuses a second one.
             pool = BoundedPool.from_url(
                 settings.redis_url,
                 decode_responses=True,
                 socket_connect_timeout=5,
                 max_connections=max_connections,
                 timeout=settings.redis_pool_timeout_seconds,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                retry_on_error=[redis.exceptions.ConnectionError],
             )
             return redis.asyncio.Redis.from_pool(pool)
 

@@ -410,8 +410,16 @@ def test_redis_restarted_mid_job_with_aof_loses_nothing(
                 f"s3://{bucket}/team/restart/model.safetensors", f"s3://{bucket}/team/restart-q/model.mdl", to="cs-h5"
             )
             wait_for(lambda: ((c.get(job["id"]).get("progress") or {}).get("tensors_done") or 0) >= 5, timeout=120)
+            status = f"{svc.url}/v1/jobs/{job['id']}"
+            burst = concurrent.futures.ThreadPoolExecutor(8)
+            auth = {"Authorization": f"Bearer {svc.key}"}
+            list(burst.map(lambda _: httpx.get(status, headers=auth).status_code, range(32)))  # several connections
             aof_redis.restart()
             svc.redis = redis.Redis.from_url(aof_redis.url, decode_responses=True)
+            # The API's pooled connections all died with the old server: they are replaced, not
+            # answered with 503s (raw requests here, without the client's own retries).
+            assert set(burst.map(lambda _: httpx.get(status, headers=auth).status_code, range(32))) == {200}
+            burst.shutdown()
             wait_for(lambda: httpx.get(svc.url + "/readyz").status_code == 200, timeout=60)
             done = [c.wait(j["id"], timeout=300) for j in (job, queued)]
         for j in done:
