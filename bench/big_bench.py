@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.convert_bench import ROOT, drop_caches, llama_shapes, parse_size
+from bench.convert_bench import ROOT, drop_caches, generate_in_child, llama_shapes, parse_size
 
 CKPTCONV = [sys.executable, "-m", "ckptconv"]
 
@@ -98,11 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     size, why = choose_size(args.size, work, parse_size(args.reserve))
     print(f"RAM {ram_bytes() / 1e9:.1f} GB; checkpoint {size / 1e9:.1f} GB ({why})", flush=True)
     src = work / "llama-big"
-    make = "import sys; from bench.convert_bench import generate; generate(*sys.argv[1:])"
     t0 = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-c", make, str(src), str(size), str(parse_size(args.shard_size))], check=True, cwd=ROOT
-    )
+    generate_in_child(src, size, parse_size(args.shard_size))
     shards = sorted(src.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in shards)
     largest = max(2 * n for n in (_numel(s) for _, s in llama_shapes(size)))

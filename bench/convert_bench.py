@@ -148,6 +148,13 @@ def generate(out: Path | str, size: int | str, shard: int | str) -> Path:
     return index_path
 
 
+def generate_in_child(out: Path, size: int, shard: int) -> None:
+    """:func:`generate` in a child process: the benchmark's own process must stay small, since a
+    child forked from it starts with its pages and would report them as its own peak RSS."""
+    make = "import sys; from bench.convert_bench import generate; generate(*sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", make, str(out), str(size), str(shard)], check=True, cwd=ROOT)
+
+
 def drop_caches() -> bool:
     try:
         subprocess.run(["sync"], check=True)
@@ -188,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"llama-{args.size.lower()}"
     print(f"generating a synthetic Llama-style bf16 checkpoint of about {size / 1e9:.2f} GB in {src} ...", flush=True)
-    # Generated in a child process: this one must stay small, since a child forked from it starts
-    # with its pages and would report them as its own peak RSS.
-    make = "import sys; from bench.convert_bench import generate; generate(*sys.argv[1:])"
-    subprocess.run(
-        [sys.executable, "-c", make, str(src), str(size), str(parse_size(args.shard_size))], check=True, cwd=ROOT
-    )
+    generate_in_child(src, size, parse_size(args.shard_size))
     index = src / "model.safetensors.index.json"
     shards = sorted(src.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in shards)

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.convert_bench import _numel, drop_caches, llama_shapes, parse_size, run_measured
+from bench.convert_bench import _numel, drop_caches, generate_in_child, llama_shapes, parse_size, run_measured
 from bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,11 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"llama-{args.size.lower()}"
-    make = "import sys; from bench.convert_bench import generate; generate(*sys.argv[1:])"
     print(f"generating a synthetic Llama-style bf16 checkpoint of about {size / 1e9:.2f} GB in {src} ...", flush=True)
-    subprocess.run(
-        [sys.executable, "-c", make, str(src), str(size), str(parse_size(args.shard_size))], check=True, cwd=ROOT
-    )
+    generate_in_child(src, size, parse_size(args.shard_size))
     files = sorted(p for p in src.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
     largest = max(2 * _numel(s) for _, s in llama_shapes(size))
