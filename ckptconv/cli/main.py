@@ -12,10 +12,16 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from ckptconv import __version__
 from ckptconv.core.errors import CkptconvError
+
+# Exit statuses: 0 success, 1 a command's negative answer (`diff`: they differ), 2 a typed error,
+# 70 (BSD's EX_SOFTWARE) an unexpected exception, that is a bug, 130 interrupted.
+EXIT_ERROR = 2
+EXIT_INTERNAL_ERROR = 70
 
 # Modules providing ``register(subparsers)``; order = order in --help.
 COMMAND_MODULES = [
@@ -51,10 +57,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ckptconv: error [{e.code}]: {e.message}", file=sys.stderr)
         if e.hint:
             print(f"  what to do: {e.hint}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("ckptconv: interrupted; nothing was published", file=sys.stderr)
         return 130
+    except Exception as e:
+        # Exit 1 is an answer for some commands (`diff`: the checkpoints differ), so an unexpected
+        # exception gets its own status and one typed line instead of Python's traceback and 1.
+        print(f"ckptconv: error [internal_error]: {type(e).__name__}: {e}", file=sys.stderr)
+        print(
+            "  what to do: this is a bug in ckptconv; rerun with CKPTCONV_TRACEBACK=1 and report the traceback",
+            file=sys.stderr,
+        )
+        if os.environ.get("CKPTCONV_TRACEBACK"):
+            traceback.print_exc()
+        return EXIT_INTERNAL_ERROR
     except BrokenPipeError:
         # The reader went away (`ckptconv models | head`): stop quietly, as other command-line tools do;
         # stdout is pointed at /dev/null so the interpreter's final flush does not fail again.

@@ -1,0 +1,43 @@
+"""The CLI's exit statuses stay distinguishable: 1 is an answer (`diff`: they differ), 2 a typed
+error, 70 an unexpected exception (a bug), never Python's default 1 with a traceback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ckptconv.engine.diff as diff_module
+from ckptconv.cli.main import EXIT_ERROR, EXIT_INTERNAL_ERROR, main
+
+
+@pytest.fixture
+def pair(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": torch.zeros(4)}, str(a))
+    save_file({"w": torch.ones(4)}, str(b))
+    return str(a), str(b)
+
+
+def test_diff_answers_one_when_checkpoints_differ(pair, capsys):
+    assert main(["diff", pair[0], pair[0]]) == 0
+    assert main(["diff", *pair]) == 1
+
+
+def test_typed_error_exits_two(pair, tmp_path, capsys):
+    assert main(["diff", pair[0], str(tmp_path / "missing.safetensors")]) == EXIT_ERROR
+    assert "error [" in capsys.readouterr().err
+
+
+def test_unexpected_exception_is_not_mistaken_for_an_answer(pair, capsys, monkeypatch):
+    def broken(*args, **kwargs):  # fault injection: a bug inside the engine
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(diff_module, "diff_checkpoints", broken)
+    assert main(["diff", *pair]) == EXIT_INTERNAL_ERROR
+    err = capsys.readouterr().err
+    assert "error [internal_error]: RuntimeError: injected" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("CKPTCONV_TRACEBACK", "1")
+    assert main(["diff", *pair]) == EXIT_INTERNAL_ERROR
+    assert "Traceback" in capsys.readouterr().err
