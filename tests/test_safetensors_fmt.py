@@ -25,6 +25,7 @@ from ckptconv.core.errors import (
     CorruptCheckpoint,
     InvalidRequest,
     PathEscape,
+    SinkProtocolError,
     UnsupportedDtype,
     UnsupportedValue,
 )
@@ -412,7 +413,7 @@ def test_mismatched_value_and_order_are_refused(tmp_path: Path) -> None:
     entries = [Entry("a", "tensor", "float32", (2,)), Entry("b", "tensor", "float32", (2,))]
     sink = SafetensorsSink(local(), str(out))
     sink.begin(entries, None)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(SinkProtocolError):
         sink.write("b", torch.zeros(2))
     with pytest.raises(CorruptCheckpoint):
         sink.write("a", torch.zeros(3))

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from ckptconv.core.errors import (
-    ConversionError,
     CorruptCheckpoint,
     InvalidRequest,
     KeyCollision,
     ObjectNotFound,
+    SinkProtocolError,
     TargetExists,
     UnsupportedDtype,
     UnsupportedFormat,
@@ -367,10 +367,10 @@ def test_writes_must_follow_the_announced_order(tmp_path):
     entries = [tensor_entry(k, v) for k, v in values.items()]
     sink = TfSink(open_storage(str(tmp_path)), str(tmp_path / "o"))
     sink.begin(entries, None)
-    with pytest.raises(ConversionError, match="expected 'a'"):
+    with pytest.raises(SinkProtocolError, match="expected 'a'"):
         sink.write("b", values["b"])
     sink.write("a", values["a"])
-    with pytest.raises(ConversionError, match="before 1 entries"):
+    with pytest.raises(SinkProtocolError, match="after 1 of 2 writes"):
         sink.commit()
     with pytest.raises(UnsupportedValue, match="announced as float32"):
         sink.write("b", values["b"].double())

@@ -339,6 +339,15 @@ class ConversionError(CkptconvError):
     title = "Conversion failed"
 
 
+class SinkProtocolError(ConversionError, RuntimeError):
+    """A sink was driven against its contract (``begin``, every ``write`` in the announced order,
+    then ``commit``): a fault of the calling code, never of the checkpoint."""
+
+    code = "sink_protocol_error"
+    http_status = 500
+    title = "Checkpoint writer used out of order"
+
+
 class UnmatchedKeys(ConversionError):
     code = "unmatched_keys"
     title = "Checkpoint keys not matched by the model layout"

@@ -14,6 +14,8 @@ Call order and guarantees:
   header is computed from it), then ``write(key, value)`` is called once per non-link entry in the
   announced order, then ``commit()`` publishes atomically and returns the files written, or
   ``abort()`` leaves nothing at the target. Nothing is visible at the target before ``commit``.
+  :class:`TensorSink` itself enforces that order (one :class:`~ckptconv.core.errors.SinkProtocolError`
+  for every breach); a format implements ``_begin``/``_write``/``_commit``/``_abort``.
 
 Values in flight:
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckptconv.core.dtypes import dtype_size
-from ckptconv.core.errors import UnsupportedDtype
+from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype
 
 if TYPE_CHECKING:
     import torch
@@ -155,7 +157,14 @@ class TensorSource(abc.ABC):
 
 
 class TensorSink(abc.ABC):
-    """Writes one checkpoint, one value at a time. See the module docstring for the contract."""
+    """Writes one checkpoint, one value at a time. See the module docstring for the contract.
+
+    The contract's order is enforced here, once, for every format: ``begin`` once, then ``write``
+    for each announced non-link entry in the announced order, then ``commit`` once, each breach a
+    :class:`~ckptconv.core.errors.SinkProtocolError`. A format implements ``_begin``, ``_write``
+    (called only with the key that is due), ``_commit`` (called only once every write happened)
+    and ``_abort`` (may be called in any state, and more than once).
+    """
 
     format: str = ""
     supports_links: bool = False
@@ -166,6 +175,9 @@ class TensorSink(abc.ABC):
         self.storage = storage
         self.uri = uri
         self.options = options
+        self._state: Literal["new", "open", "committed", "closed"] = "new"
+        self._write_order: list[str] = []  # the keys write() receives, in the announced order
+        self._writes_done = 0  # how many of them were written: the next one is due
 
     @classmethod
     def check(cls, entries: Iterable[Entry]) -> None:
@@ -184,14 +196,67 @@ class TensorSink(abc.ABC):
                     dtype=e.dtype,
                 )
 
-    @abc.abstractmethod
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None: ...
+    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+        """Announce every entry (and how they nest) before any data."""
+        self._require("begin()", allowed=("new",))
+        entries = list(entries)
+        self._state = "closed"  # a begin that fails leaves a sink fit only for abort()
+        self._begin(entries, spec)
+        self._write_order = [e.key for e in entries if e.kind != "link"]
+        self._writes_done = 0
+        self._state = "open"
+
+    def write(self, key: str, value: Any) -> None:
+        """Write the value of the next announced non-link entry."""
+        self._require(f"write({key!r})")
+        expected = self._write_order[self._writes_done] if self._writes_done < len(self._write_order) else None
+        if key != expected:
+            raise SinkProtocolError(
+                f"{self.format} sink: write({key!r}) out of order; expected {expected!r}", key=key, expected=expected
+            )
+        self._write(key, value)
+        self._writes_done += 1
+
+    def commit(self) -> list[OutputFile]:
+        """Publish what was written (every announced entry); returns the files written."""
+        self._require("commit()")
+        if self._writes_done != len(self._write_order):
+            raise SinkProtocolError(
+                f"{self.format} sink: commit() after {self._writes_done} of {len(self._write_order)} writes; "
+                f"{self._write_order[self._writes_done]!r} is still due",
+                key=self._write_order[self._writes_done],
+            )
+        self._state = "committed"
+        return self._commit()
+
+    def abort(self) -> None:
+        """Leave nothing at the target; harmless in any state and when repeated."""
+        self._state = "closed"
+        self._abort()
+
+    def _require(self, call: str, allowed: tuple[str, ...] = ("open",)) -> None:
+        if self._state in allowed:
+            return
+        why = {
+            "new": "before begin()",
+            "open": "after begin()",
+            "committed": "after commit()",
+            "closed": "after abort() or a failed begin()",
+        }[self._state]
+        raise SinkProtocolError(f"{self.format} sink: {call} {why}")
 
     @abc.abstractmethod
-    def write(self, key: str, value: Any) -> None: ...
+    def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+        """Validate and plan everything announced; may refuse before any data moves."""
 
     @abc.abstractmethod
-    def commit(self) -> list[OutputFile]: ...
+    def _write(self, key: str, value: Any) -> None:
+        """Store the value of ``key``, the entry that is due."""
 
     @abc.abstractmethod
-    def abort(self) -> None: ...
+    def _commit(self) -> list[OutputFile]:
+        """Publish atomically; every announced entry has been written."""
+
+    @abc.abstractmethod
+    def _abort(self) -> None:
+        """Remove everything written so far."""

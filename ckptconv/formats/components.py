@@ -94,7 +94,7 @@ class ComponentSink(TensorSink):
         for sink in self.sinks.values():
             sink.check(entries)
 
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+    def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         # Each component is a flat state dict of its own: ``spec`` (the whole tree) is not split.
         parts: dict[str, list[Entry]] = {name: [] for name, _ in self.routes}
         for e in entries:
@@ -106,15 +106,15 @@ class ComponentSink(TensorSink):
         for name, sink in self.sinks.items():
             sink.begin(parts[name], None)
 
-    def write(self, key: str, value: Any) -> None:
+    def _write(self, key: str, value: Any) -> None:
         self._sink_of[key].write(key, value)
 
-    def commit(self) -> list[OutputFile]:
+    def _commit(self) -> list[OutputFile]:
         out: list[OutputFile] = []
         for sink in self.sinks.values():
             out.extend(sink.commit())
         return out
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         for sink in self.sinks.values():
             sink.abort()

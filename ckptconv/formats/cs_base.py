@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ckptconv.core.dtypes import is_float_dtype
-from ckptconv.core.errors import ConversionError, CorruptCheckpoint, KeyCollision, UnsupportedDtype, UnsupportedValue
+from ckptconv.core.errors import CorruptCheckpoint, KeyCollision, UnsupportedDtype, UnsupportedValue
 from ckptconv.core.releases import release_name
 from ckptconv.formats import restricted_pickle
 from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, dtype_name, torch_dtype
@@ -119,8 +119,8 @@ class CerebrasSink(TensorSink):
         self._entries: list[Entry] = []
         self._spec: TreeSpec | None = None
         self._records: dict[str, dict[str, Any]] = {}
-        self._todo: list[Entry] = []
-        self._next = 0
+        self._todo: list[Entry] = []  # the entries write() stores, in order (every non-link)
+        self._due: dict[str, Entry] = {}
 
     @classmethod
     def check(cls, entries: Any) -> None:
@@ -174,17 +174,12 @@ class CerebrasSink(TensorSink):
         self._entries = entries
         self._spec = spec
         self._todo = [e for e in entries if e.kind != "link"]
+        self._due = {e.key: e for e in self._todo}
         self._records = {}
-        self._next = 0
         return spec
 
-    def write(self, key: str, value: Any) -> None:
-        if not self._todo and not self._entries:
-            raise ConversionError("write() before begin()")
-        if self._next >= len(self._todo) or self._todo[self._next].key != key:
-            expected = self._todo[self._next].key if self._next < len(self._todo) else None
-            raise ConversionError(f"write({key!r}) out of order; expected {expected!r}")
-        entry = self._todo[self._next]
+    def _write(self, key: str, value: Any) -> None:
+        entry = self._due[key]
         if entry.kind in ("tensor", "array"):
             dtype, arr = self._numeric(entry, value)
             if entry.kind == "tensor":
@@ -198,7 +193,6 @@ class CerebrasSink(TensorSink):
             self._records[key] = value_metadata(value)  # type: ignore[assignment]
         else:
             raise UnsupportedValue(f"{key!r}: cannot write an entry of kind {entry.kind}", key=key)
-        self._next += 1
 
     def _numeric(self, entry: Entry, value: Any) -> tuple[str, np.ndarray]:
         """The C-ordered on-disk array of a tensor (bf16 as its int16 bits)."""
@@ -220,10 +214,6 @@ class CerebrasSink(TensorSink):
         t = t.contiguous()
         arr = (t.view(torch.int16) if dtype == "bfloat16" else t).numpy()
         return dtype, arr.view(np.dtype(stored_numpy_dtype(dtype)))
-
-    def _check_complete(self) -> None:
-        if self._next != len(self._todo):
-            raise ConversionError(f"commit() after {self._next} of {len(self._todo)} entries were written")
 
     def _record_texts(self) -> list[tuple[str, str]]:
         """``(attribute name, JSON text)`` of every per-key record, in entry order."""

@@ -40,7 +40,6 @@ import hdf5plugin
 import numpy as np
 
 from ckptconv.core.errors import (
-    ConversionError,
     CorruptCheckpoint,
     IncompleteCheckpoint,
     KeyCollision,
@@ -341,7 +340,7 @@ class CsH5Sink(CerebrasSink):
 
     # --- protocol ------------------------------------------------------------------------------
 
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+    def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         spec = self._prepare(entries, spec)
         # Datasets live at their key's path: "a" as a dataset and "a/b" would need "a" to be a group.
         paths = {e.key for e in self._entries if needs_payload(e)}
@@ -413,15 +412,8 @@ class CsH5Sink(CerebrasSink):
         attrs["__cstorch_version__"] = self.cstorch_version
         self._writer = ChunkWriter(threads=self.threads, mode=self.lz4)
 
-    def write(self, key: str, value: Any) -> None:
-        if self._file is None:
-            raise ConversionError("write() before begin() or after commit()/abort()")
-        super().write(key, value)
-
-    def commit(self) -> list[OutputFile]:
-        if self._file is None or self._tmp_path is None:
-            raise ConversionError("commit() without begin()")
-        self._check_complete()
+    def _commit(self) -> list[OutputFile]:
+        assert self._tmp_path is not None
         self._on_h5_thread(self._finish, self._record_texts())
         self._close_file()  # stops the HDF5 thread
         size = os.path.getsize(self._tmp_path)
@@ -461,7 +453,7 @@ class CsH5Sink(CerebrasSink):
         self._cleanup_tmp()
         return [OutputFile(self.uri, size, sha256, "data")]
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         placement, self._placement = self._placement, None
         try:
             if placement is not None:

@@ -32,7 +32,6 @@ import numpy as np
 
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import (
-    ConversionError,
     CorruptCheckpoint,
     IncompleteCheckpoint,
     ObjectNotFound,
@@ -349,7 +348,7 @@ class CsS3Sink(CerebrasSink):
         self._started = False
         self._root: dict[str, Any] = {}
 
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+    def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         spec = self._prepare(entries, spec)
         if self.storage.exists(self.prefix) or any(True for _ in self.storage.list(self.prefix + "/")):
             raise TargetExists(f"{self.uri} already exists (there are objects under it)")
@@ -406,10 +405,7 @@ class CsS3Sink(CerebrasSink):
         self._outputs.append(OutputFile(uri, size, None, "data"))
         return md
 
-    def commit(self) -> list[OutputFile]:
-        if not self._started:
-            raise ConversionError("commit() without begin()")
-        self._check_complete()
+    def _commit(self) -> list[OutputFile]:
         root = dict(self._root)
         for name, text in self._record_texts():
             root[name] = text
@@ -419,7 +415,7 @@ class CsS3Sink(CerebrasSink):
         self._started = False
         return [*self._outputs, OutputFile(meta_uri, size, None, "index")]
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         if self._started:
             self.storage.delete_prefix(self.prefix + "/")
             self._started = False

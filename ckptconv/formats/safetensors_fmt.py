@@ -337,8 +337,6 @@ class SafetensorsSink(ShardedSink):
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
         self._files: list[_File] = []
-        self._order: list[str] = []  # keys write() will receive, in order
-        self._next = 0
         self._regions_of: dict[str, tuple[int, list[_Region]]] = {}
         self._current: int | None = None
         self._writer: Any = None
@@ -362,7 +360,7 @@ class SafetensorsSink(ShardedSink):
                     key=e.key,
                 )
 
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+    def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         self.check(entries)
         by_key = {e.key: e for e in entries}
         files, index_uri = self.shard_files(entries, _SUFFIXES)
@@ -389,14 +387,9 @@ class SafetensorsSink(ShardedSink):
         if index_uri is not None:
             extra = {RECORD_KEY: record} if record is not None else None
             self._index = (index_uri, index_bytes(weight_map, total, extra))
-        self._order = [e.key for e in entries if e.kind != "link"]
         self._dtypes = {e.key: str(e.dtype) for e in entries if e.kind in ("tensor", "array")}
 
-    def write(self, key: str, value: Any) -> None:
-        if self._next >= len(self._order) or self._order[self._next] != key:
-            expected = self._order[self._next] if self._next < len(self._order) else "nothing"
-            raise RuntimeError(f"safetensors sink: write({key!r}) out of order, expected {expected}")
-        self._next += 1
+    def _write(self, key: str, value: Any) -> None:
         if key not in self._regions_of:
             return  # a value: it lives in the metadata record
         i, regions = self._regions_of[key]
@@ -427,9 +420,7 @@ class SafetensorsSink(ShardedSink):
             self._writer.write(f.header)
         return self._writer
 
-    def commit(self) -> list[OutputFile]:
-        if self._next != len(self._order):
-            raise RuntimeError(f"safetensors sink: commit after {self._next} of {len(self._order)} writes")
+    def _commit(self) -> list[OutputFile]:
         try:
             self._writer_for(len(self._files) - 1)  # files with no data still need their header
             if self._index is not None:
@@ -440,5 +431,5 @@ class SafetensorsSink(ShardedSink):
             raise
         return self._outputs.commit()
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         self._outputs.abort()

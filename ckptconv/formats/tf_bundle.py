@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 from ckptconv.core.bounded import load_json
 from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import (
-    ConversionError,
     CorruptCheckpoint,
     InvalidRequest,
     KeyCollision,
@@ -639,7 +638,6 @@ class _Item:
     stored: BundleEntry | None = None
     encoding: str | None = None  # objects: OpaqueObject.encoding
     has_data: bool = True  # False: kept in the metadata tensor only
-    written: bool = False
 
 
 @dataclass
@@ -703,8 +701,6 @@ class TfSink(TensorSink):
         self._announced: list[Entry] = []
         self._spec: TreeSpec | None = None
         self._num_shards = 1
-        self._next = 0  # position in _order of the next entry write() expects
-        self._order: list[_Item] = []
         # Data files being written. Runs of the announced order fill one file after the other, so one
         # is open at a time; with shard_by the files interleave, so each stays open until commit.
         self._open: dict[int, _ShardState] = {}
@@ -716,7 +712,7 @@ class TfSink(TensorSink):
 
     # -- planning ------------------------------------------------------------------------------
 
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+    def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         self.check(entries)
         if self.storage.exists(index_uri(self.prefix)):
             raise TargetExists(f"{index_uri(self.prefix)} already exists")
@@ -742,7 +738,6 @@ class TfSink(TensorSink):
                 raise UnsupportedValue(
                     f"link {link.key!r} points at {link.target!r}, which is not an entry", key=link.key
                 )
-        self._order = list(self._items)
         self._assign_shards([i for i in self._items if i.has_data])
 
     def _resolve(self, key: str) -> str | None:
@@ -779,15 +774,8 @@ class TfSink(TensorSink):
 
     # -- data ----------------------------------------------------------------------------------
 
-    def write(self, key: str, value: Any) -> None:
-        while self._next < len(self._order) and self._order[self._next].written:
-            self._next += 1
-        item = self._by_key.get(key)
-        if item is None or self._next >= len(self._order) or self._order[self._next] is not item:
-            expected = self._order[self._next].entry.key if self._next < len(self._order) else None
-            raise ConversionError(f"tf sink got {key!r} but expected {expected!r} (writes must follow begin's order)")
-        item.written = True
-        self._next += 1
+    def _write(self, key: str, value: Any) -> None:
+        item = self._by_key[key]
         e = item.entry
         if not item.has_data:
             return
@@ -893,12 +881,7 @@ class TfSink(TensorSink):
         }
         return json.dumps(doc).encode()
 
-    def commit(self) -> list[OutputFile]:
-        if self._finished:
-            raise ConversionError("tf sink committed twice")
-        missing = [i.entry.key for i in self._items if not i.written]
-        if missing:
-            raise ConversionError(f"tf sink committed before {len(missing)} entries were written, e.g. {missing[0]!r}")
+    def _commit(self) -> list[OutputFile]:
         stored = [i for i in self._items if i.stored is not None]
         meta = self._metadata()
         if meta is not None:  # appended to the last data file
@@ -929,7 +912,7 @@ class TfSink(TensorSink):
         out.append(OutputFile(idx_final, len(table), None, "index"))
         return out
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         if self._finished:
             return
         for shard in self._open.values():

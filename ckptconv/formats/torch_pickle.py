@@ -349,8 +349,6 @@ class TorchSink(ShardedSink):
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
         self._files: list[_FileOut] = []
-        self._order: list[str] = []
-        self._next = 0
         self._file_of: dict[str, int] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._leaves: dict[str, Any] = {}  # key -> what data.pkl holds for it
@@ -376,7 +374,7 @@ class TorchSink(ShardedSink):
             if e.kind == "value" and not plain_value(e.value):
                 raise UnsupportedValue(f"{e.key!r} holds a {type(e.value).__name__}, not a plain value", key=e.key)
 
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
+    def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         self.check(entries)
         by_key = {e.key: e for e in entries}
         tensors = [e for e in entries if e.kind in ("tensor", "array", "link")]
@@ -427,7 +425,6 @@ class TorchSink(ShardedSink):
                 raise UnsupportedValue("the tree spec does not describe the same keys as the entries")
             pkl = pickle_tree(self._tree())  # refuses what weights_only could not load, before any data
             self._files[0].pkl = None if self._objects else pkl
-        self._order = [e.key for e in entries if e.kind != "link"]
 
     def _tree(self) -> Any:
         if self._spec is None:
@@ -435,11 +432,7 @@ class TorchSink(ShardedSink):
         leaf_keys = self._spec.keys()
         return unflatten([self._leaves[k] for k in leaf_keys], self._spec)
 
-    def write(self, key: str, value: Any) -> None:
-        if self._next >= len(self._order) or self._order[self._next] != key:
-            expected = self._order[self._next] if self._next < len(self._order) else "nothing"
-            raise RuntimeError(f"torch sink: write({key!r}) out of order, expected {expected}")
-        self._next += 1
+    def _write(self, key: str, value: Any) -> None:
         if key in self._objects:
             if not isinstance(value, OpaqueObject) or not value.decoded:
                 raise UnsupportedValue(f"object {key!r} was not decoded; a torch pickle cannot hold its bytes", key=key)
@@ -488,9 +481,7 @@ class TorchSink(ShardedSink):
         zw.add(f"{out.prefix}/.data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
         zw.finish()
 
-    def commit(self) -> list[OutputFile]:
-        if self._next != len(self._order):
-            raise RuntimeError(f"torch sink: commit after {self._next} of {len(self._order)} writes")
+    def _commit(self) -> list[OutputFile]:
         try:
             zw = self._zip_for(len(self._files) - 1)
             self._finish(self._files[-1], zw)
@@ -503,6 +494,6 @@ class TorchSink(ShardedSink):
             raise
         return self._outputs.commit()
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         self._zip = None
         self._outputs.abort()
