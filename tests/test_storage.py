@@ -562,7 +562,7 @@ def test_s3_error_mapping(code, status, expected, in_hint):
     """Error responses S3 sends but moto cannot be made to send (e.g. 403 for bad credentials)."""
     from botocore.exceptions import ClientError
 
-    from ckptconv.storage.s3 import _typed_error
+    from ckptconv.storage.s3.client import typed_error as _typed_error
 
     response = {"Error": {"Code": code, "Message": "msg"}, "ResponseMetadata": {"HTTPStatusCode": status}}
     err = _typed_error(ClientError(response, "GetObject"), "s3://bkt/key")

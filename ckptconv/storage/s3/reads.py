@@ -1,0 +1,157 @@
+"""Ranged reads from S3 into the caller's buffers, as concurrent ranged GETs.
+
+One connection tops out far below what a store serves to several, so a range longer than two
+parts is fetched as parts of ``part_size`` bytes in parallel, each straight into its slice of the
+caller's buffer. Every GET of this reader, whichever thread asks (the executor reads several
+values at once), takes one of ``concurrency`` slots: the number of GETs in flight is bounded no
+matter how many callers read at once. Each part is retried per the storage's policy on its own; a
+retry after a broken body asks only for the bytes still missing.
+
+Settings (environment, read when the storage is built): ``CKPTCONV_S3_READ_CONCURRENCY``
+(default 8) GETs in flight, each of at most ``CKPTCONV_S3_READ_PART_SIZE`` bytes (default 16 MiB).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from ckptconv.core.sizes import parse_size
+from ckptconv.storage.ranges import short_read
+from ckptconv.storage.s3.client import TruncatedResponse, error_code
+
+DEFAULT_READ_CONCURRENCY = 8
+DEFAULT_READ_PART_SIZE = 16 << 20
+# Parts are never smaller than S3's own multipart minimum: smaller GETs cost more in requests than
+# they gain in parallelism.
+MIN_READ_PART_SIZE = 5 << 20
+# Body bytes taken from the connection per read call (what a broken connection can cost).
+READ_SLICE = 1 << 20
+
+
+def read_settings() -> tuple[int, int]:
+    """(GETs in flight, part size) from the environment."""
+    env = os.environ
+    concurrency = int(env.get("CKPTCONV_S3_READ_CONCURRENCY", DEFAULT_READ_CONCURRENCY))
+    part_size = parse_size(env.get("CKPTCONV_S3_READ_PART_SIZE", str(DEFAULT_READ_PART_SIZE)))
+    return max(1, concurrency), max(MIN_READ_PART_SIZE, part_size)
+
+
+Retried = Callable[[str, Callable[[], Any], str], Any]
+
+
+class RangedGets:
+    """Concurrent ranged GETs of one S3 client, at most ``concurrency`` in flight. Thread-safe."""
+
+    def __init__(self, client: Any, retried: Retried, *, concurrency: int, part_size: int) -> None:
+        self.client = client
+        self.retried = retried
+        self.concurrency = max(1, concurrency)
+        self.part_size = max(MIN_READ_PART_SIZE, part_size)
+        self._slots = threading.BoundedSemaphore(self.concurrency)
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read_into(self, uri: str, bucket: str, key: str, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the object's bytes from ``offset`` (CorruptCheckpoint past its end)."""
+        length = len(view)
+        if length == 0:
+            return
+        part = self.part_size
+        if self.concurrency <= 1 or length < 2 * part:
+            self._read_part(uri, bucket, key, offset, view)
+            return
+        futures = [
+            self._parts_pool().submit(self._read_part, uri, bucket, key, offset + start, view[start : start + part])
+            for start in range(0, length, part)
+        ]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)  # no part may write into the buffer after we return
+
+    def _parts_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="s3-read")
+            return self._pool
+
+    def _read_part(self, uri: str, bucket: str, key: str, offset: int, view: memoryview) -> None:
+        done = [0]  # bytes in place so far; survives the failed tries
+
+        def attempt() -> None:
+            with self._slots:
+                self._get_into(uri, bucket, key, offset, view, done)
+
+        self.retried(uri, attempt, "get_object")
+
+    def _get_into(self, uri: str, bucket: str, key: str, offset: int, view: memoryview, done: list[int]) -> None:
+        """One ranged GET of ``view[done[0]:]``; advances ``done[0]`` as bytes arrive."""
+        length = len(view)
+        start = offset + done[0]
+        try:
+            r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{offset + length - 1}")
+        except ClientError as e:
+            code, status = error_code(e)
+            if code == "InvalidRange" or status == 416:  # the range starts at or past the end
+                size = e.response.get("Error", {}).get("ActualObjectSize")
+                raise short_read(uri, offset, length, done[0], int(size) if size else None) from None
+            raise
+        body = r["Body"]
+        try:
+            skip, _end, total = _served_range(r.get("ContentRange"), start)
+            announced = r.get("ContentLength")
+            raw = body._raw_stream  # readinto: straight into the caller's buffer, no intermediate copy
+            _skip(raw, skip)  # a server that ignored Range sends the object from byte 0
+            while done[0] < length:
+                # In slices: a read that fails mid-way loses what it had, so keep each one small.
+                n = raw.readinto(view[done[0] : done[0] + READ_SLICE])
+                if not n:
+                    break
+                done[0] += n
+            if done[0] == length:
+                return
+            got = done[0] - (start - offset)
+            if (total is not None and start + got >= total) or (announced is not None and skip + got >= announced):
+                # The response is whole and still short: the object itself ends early.
+                raise short_read(uri, offset, length, done[0], total)
+            raise TruncatedResponse(f"the body ended after {got} bytes of the range from offset {start}")
+        finally:
+            body.close()
+
+
+def _served_range(content_range: str | None, start: int) -> tuple[int, int | None, int | None]:
+    """(bytes to skip, last byte served, object size) from a response's Content-Range.
+
+    Without one the server ignored Range and sends the object from byte 0 (allowed by HTTP).
+    A range that starts elsewhere than asked is a broken response.
+    """
+    if not content_range:
+        return start, None, None
+    unit, _, rest = content_range.partition(" ")
+    span, _, total_text = rest.partition("/")
+    first, _, last = span.partition("-")
+    try:
+        first_n, last_n = int(first), int(last)
+    except ValueError:
+        raise TruncatedResponse(f"unreadable Content-Range {content_range!r}") from None
+    if unit != "bytes" or first_n != start:
+        raise TruncatedResponse(f"asked for bytes from {start}, got Content-Range {content_range!r}")
+    return 0, last_n, int(total_text) if total_text.isdigit() else None
+
+
+def _skip(raw: Any, n: int) -> None:
+    while n > 0:
+        chunk = raw.read(min(n, 1 << 20))
+        if not chunk:
+            raise TruncatedResponse("the response ended before the requested range")
+        n -= len(chunk)

@@ -1,0 +1,420 @@
+"""The S3 backend of :class:`~ckptconv.storage.base.Storage` (guarantees: :mod:`ckptconv.storage.s3`)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, BinaryIO
+
+from botocore.exceptions import ClientError
+
+from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists
+from ckptconv.core.uri import join as join_uri
+from ckptconv.core.uri import s3_uri, split_s3
+from ckptconv.storage.base import ObjectInfo, RangeReader, Storage, Writer
+from ckptconv.storage.ranges import check_range
+from ckptconv.storage.retry import RetryPolicy
+from ckptconv.storage.s3.client import (
+    MAX_POOL_CONNECTIONS,
+    TRANSIENT_CODES,
+    TruncatedResponse,
+    clean_etag,
+    error_code,
+    make_client,
+    not_implemented,
+    s3_errors,
+    transient,
+)
+from ckptconv.storage.s3.reads import RangedGets, read_settings
+from ckptconv.storage.s3.writer import (
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    MAX_SINGLE_COPY,
+    MIN_PART_SIZE,
+    S3Writer,
+    multipart_etag,
+)
+
+log = logging.getLogger(__name__)
+
+
+class S3Storage(Storage):
+    """Objects in S3 or an S3-compatible store. Thread-safe; one instance per endpoint.
+
+    ``part_checksums`` sends CRC32 checksums with every multipart part (what boto3's transfer
+    manager does on AWS); by default it follows the client's ``request_checksum_calculation``.
+    ``multipart_copy_threshold`` and ``copy_part_size`` choose between ``CopyObject`` and
+    ``UploadPartCopy`` in ``publish`` (tests lower them to exercise the multipart path).
+    ``max_attempts`` overrides the retry budget of the environment (see :mod:`ckptconv.storage.retry`).
+    """
+
+    scheme = "s3"
+
+    def __init__(
+        self,
+        endpoint_url: str | None = None,
+        *,
+        client: Any = None,
+        max_attempts: int | None = None,
+        part_checksums: bool | None = None,
+        multipart_copy_threshold: int = MAX_SINGLE_COPY,
+        copy_part_size: int = 1 << 30,
+    ) -> None:
+        concurrency, part_size = read_settings()
+        pool = MAX_POOL_CONNECTIONS + concurrency
+        self.client = client if client is not None else make_client(endpoint_url, pool_connections=pool)
+        self.endpoint_url: str | None = self.client.meta.endpoint_url
+        self.retry = RetryPolicy.from_env(max_attempts)
+        self.reads = RangedGets(self.client, self._retried, concurrency=concurrency, part_size=part_size)
+        if part_checksums is None:
+            part_checksums = getattr(self.client.meta.config, "request_checksum_calculation", None) != "when_required"
+        self.part_checksums = part_checksums
+        self.multipart_copy_threshold = min(multipart_copy_threshold, MAX_SINGLE_COPY)
+        self.copy_part_size = min(max(copy_part_size, MIN_PART_SIZE), MAX_PART_SIZE)
+        # Cleared the first time the server refuses If-None-Match; HeadObject checks remain.
+        self.conditional_writes = True
+        # Cleared the first time the server cannot list multipart uploads.
+        self.upload_listing = True
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _errors(self, uri: str) -> contextlib.AbstractContextManager[None]:
+        return s3_errors(uri, self.endpoint_url)
+
+    def _retried(self, uri: str, call: Callable[[], Any], what: str) -> Any:
+        """``call()`` under the retry policy; its last error typed for ``uri``."""
+        with self._errors(uri):
+            return self.retry.run(call, transient=transient, what=f"{what} {uri}")
+
+    def _call(self, uri: str, method: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        """One S3 API call (whose response has no body to stream) under the retry policy."""
+        return self._retried(uri, lambda: method(**kwargs), method.__name__)
+
+    def _object(self, uri: str, *, writing: bool = False) -> tuple[str, str]:
+        bucket, key = split_s3(uri)
+        if not key:
+            if writing:
+                raise InvalidRequest(f"{uri} names a bucket, not an object", hint="write to s3://bucket/key")
+            raise ObjectNotFound(f"{uri} names a bucket, not an object", uri=uri)
+        return bucket, key
+
+    def create_only(
+        self,
+        uri: str,
+        call: Callable[..., dict[str, Any]],
+        *,
+        ours: Callable[[ObjectInfo], bool] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Run a write that must not replace an existing object at ``uri`` (put, complete, copy).
+
+        Checks with HeadObject first (servers that ignore If-None-Match), then sends the write
+        with ``If-None-Match: *`` so that AWS and MinIO refuse it atomically if another writer
+        won meanwhile. Raises TargetExists when the object exists. ``ours`` recognizes the
+        object this very write creates: when a retry is refused (the object exists, or the
+        upload is gone) because an earlier try did succeed, that is success.
+        """
+        if self.exists(uri):
+            raise TargetExists(f"{uri} already exists", uri=uri)
+        tries = 0
+
+        def attempt() -> dict[str, Any]:
+            nonlocal tries
+            tries += 1
+            try:
+                if self.conditional_writes:
+                    try:
+                        return call(IfNoneMatch="*", **kwargs)
+                    except ClientError as e:
+                        if not not_implemented(e):
+                            raise
+                        log.info("%s refuses If-None-Match (%s); relying on HEAD checks", self.endpoint_url, e)
+                        self.conditional_writes = False
+                return call(**kwargs)
+            except ClientError as e:
+                code, status = error_code(e)
+                refused = code in ("PreconditionFailed", "NoSuchUpload", "ConditionalRequestConflict") or status == 412
+                if tries > 1 and refused and ours is not None:
+                    mine = self._created_by_us(uri, ours)
+                    if mine is not None:
+                        return mine
+                raise
+
+        return self._retried(uri, attempt, call.__name__)
+
+    def _created_by_us(self, uri: str, ours: Callable[[ObjectInfo], bool]) -> dict[str, Any] | None:
+        try:
+            info = self.stat(uri)
+        except ObjectNotFound:
+            return None
+        if not ours(info):
+            return None
+        log.info("%s: an earlier try created it; its answer was lost", uri)
+        return {"ETag": info.etag}
+
+    # --- Storage ---------------------------------------------------------------------------
+
+    def stat(self, uri: str) -> ObjectInfo:
+        bucket, key = self._object(uri)
+        r = self._head(uri, bucket, key)
+        return ObjectInfo(
+            uri=uri, size=int(r["ContentLength"]), etag=clean_etag(r.get("ETag")), mtime=r["LastModified"].timestamp()
+        )
+
+    def _head(self, uri: str, bucket: str, key: str) -> dict[str, Any]:
+        def attempt() -> dict[str, Any]:
+            r = self.client.head_object(Bucket=bucket, Key=key)
+            if r.get("ContentLength") is None or r.get("LastModified") is None:
+                raise TruncatedResponse("HeadObject answered without Content-Length or Last-Modified")
+            return r
+
+        return self._retried(uri, attempt, "head_object")
+
+    def user_metadata(self, uri: str) -> dict[str, str]:
+        """The object's user metadata (``x-amz-meta-*``), keys lowercased as S3 returns them."""
+        bucket, key = self._object(uri)
+        return dict(self._head(uri, bucket, key).get("Metadata", {}))
+
+    def read_range(self, uri: str, offset: int, length: int) -> bytes:
+        check_range(uri, offset, length)
+        buf = bytearray(length)
+        self.read_into(uri, offset, buf)
+        return bytes(buf)
+
+    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
+        """Fill ``buf`` with the bytes at ``offset``: concurrent ranged GETs (:mod:`ckptconv.storage.s3.reads`)."""
+        view = memoryview(buf).cast("B")
+        check_range(uri, offset, len(view))
+        if len(view) == 0:
+            return
+        bucket, key = self._object(uri)
+        self.reads.read_into(uri, bucket, key, offset, view)
+
+    @property
+    def read_concurrency(self) -> int:
+        """Ranged GETs in flight at most: also how many values a reader of this storage reads at once."""
+        return self.reads.concurrency
+
+    @property
+    def read_part_size(self) -> int:
+        return self.reads.part_size
+
+    def open_reader(self, uri: str) -> BinaryIO:
+        """A buffered, seekable reader over ranged GETs (read-ahead of 8 MiB per request)."""
+        info = self.stat(uri)
+        return io.BufferedReader(RangeReader(self, uri, info.size), buffer_size=64 << 10)  # type: ignore[return-value]
+
+    def open_writer(
+        self,
+        uri: str,
+        *,
+        overwrite: bool = False,
+        part_size: int = 64 << 20,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Writer:
+        """A streaming multipart :class:`S3Writer`; ``metadata`` becomes the object's user metadata.
+
+        ``part_size`` below S3's 5 MiB minimum is raised to it.
+        """
+        bucket, key = self._object(uri, writing=True)
+        # Early refusal saves uploading gigabytes that commit would refuse anyway.
+        if not overwrite and self.exists(uri):
+            raise TargetExists(f"{uri} already exists", uri=uri)
+        return S3Writer(self, uri, bucket, key, overwrite=overwrite, part_size=part_size, metadata=metadata)
+
+    def _pages(self, uri: str, method: Callable[..., dict[str, Any]], token: str, **kwargs: Any) -> Iterator[dict]:
+        """The pages of a listing call, each page retried on its own."""
+        extra: dict[str, Any] = {}
+        while True:
+            page = self._call(uri, method, **kwargs, **extra)
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            if token == "ContinuationToken":
+                extra = {"ContinuationToken": page["NextContinuationToken"]}
+            else:  # list_multipart_uploads
+                extra = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Objects whose URI starts with ``prefix``, in S3's order (UTF-8 binary order = sorted by URI).
+
+        Keys ending in ``/`` (the "folder" markers consoles create) are not objects here.
+        """
+        bucket, key_prefix = split_s3(prefix)
+        for page in self._pages(
+            prefix, self.client.list_objects_v2, "ContinuationToken", Bucket=bucket, Prefix=key_prefix
+        ):
+            for obj in page.get("Contents", ()):
+                if obj["Key"].endswith("/"):
+                    continue
+                yield ObjectInfo(
+                    uri=s3_uri(bucket, obj["Key"]),
+                    size=int(obj["Size"]),
+                    etag=clean_etag(obj.get("ETag")),
+                    mtime=obj["LastModified"].timestamp(),
+                )
+
+    def delete(self, uri: str) -> None:
+        bucket, key = self._object(uri, writing=True)
+        self._call(uri, self.client.delete_object, Bucket=bucket, Key=key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix`` (folder markers included) in batches of 1000, and
+        abort the incomplete multipart uploads under it.
+
+        Refuses an empty key prefix: that would empty the whole bucket.
+        """
+        bucket, key_prefix = split_s3(prefix)
+        if not key_prefix:
+            raise InvalidRequest(
+                f"refusing to delete every object in bucket {bucket!r}", hint="name a narrower prefix", uri=prefix
+            )
+        n = 0
+        # Listing again after each batch: deleting while paginating would skip keys on some servers.
+        while True:
+            page = self._call(prefix, self.client.list_objects_v2, Bucket=bucket, Prefix=key_prefix)
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", ())]
+            if not keys:
+                break
+            self._delete_batch(prefix, bucket, keys)
+            n += len(keys)
+        self.abort_uploads(prefix)
+        return n
+
+    def _delete_batch(self, prefix: str, bucket: str, keys: list[dict[str, str]]) -> None:
+        pending = keys
+
+        def attempt() -> None:
+            nonlocal pending
+            r = self.client.delete_objects(Bucket=bucket, Delete={"Objects": pending, "Quiet": True})
+            errors = r.get("Errors") or []
+            if not errors:
+                return
+            first = errors[0]
+            if all(err.get("Code") in TRANSIENT_CODES for err in errors):
+                pending = [{"Key": err["Key"]} for err in errors]
+                raise TruncatedResponse(f"{len(errors)} deletions under {prefix} failed ({first.get('Code')})")
+            raise StorageError(
+                f"could not delete {len(errors)} objects under {prefix}, e.g. {first.get('Key')}: "
+                f"{first.get('Code')} {first.get('Message', '')}".rstrip(),
+                uri=prefix,
+            )
+
+        self._retried(prefix, attempt, "delete_objects")
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort every incomplete multipart upload whose key starts with ``prefix``'s key.
+
+        Servers that cannot list uploads (s3rver) are skipped: writers abort their own uploads."""
+        if not self.upload_listing:
+            return 0
+        bucket, key_prefix = split_s3(prefix)
+        try:
+            uploads = [
+                (u["Key"], u["UploadId"])
+                for page in self._pages(
+                    prefix, self.client.list_multipart_uploads, "KeyMarker", Bucket=bucket, Prefix=key_prefix
+                )
+                for u in page.get("Uploads", ())
+            ]
+        except StorageError as e:
+            if not (isinstance(e.__cause__, ClientError) and not_implemented(e.__cause__)):
+                raise
+            log.info("%s cannot list multipart uploads (%s)", self.endpoint_url, e)
+            self.upload_listing = False
+            return 0
+        for key, upload_id in uploads:
+            self._abort_upload(bucket, key, upload_id, s3_uri(bucket, key))
+        return len(uploads)
+
+    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
+        """Copy each staging object to its final key (server-side), in order, then delete the staging key.
+
+        Every source is checked to exist, and (unless ``overwrite``) every target to be absent,
+        before the first copy, so a refused publish changes nothing.
+        """
+        pairs = list(pairs)
+        infos = [self.stat(src) for src, _ in pairs]
+        if not overwrite:
+            for _, dst in pairs:
+                if self.exists(dst):
+                    raise TargetExists(f"{dst} already exists", uri=dst)
+        for (src, dst), info in zip(pairs, infos, strict=True):
+            if info.size <= self.multipart_copy_threshold:
+                self._copy_object(src, dst, info, overwrite=overwrite)
+            else:
+                self._copy_multipart(src, dst, info.size, overwrite=overwrite)
+            self.delete(src)
+
+    def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
+        src_bucket, src_key = self._object(src)
+        bucket, key = self._object(dst, writing=True)
+        kwargs = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
+        if overwrite:
+            self._call(dst, self.client.copy_object, **kwargs)
+        else:
+            self.create_only(dst, self.client.copy_object, ours=lambda got: _same_object(got, info), **kwargs)
+
+    def _copy_multipart(self, src: str, dst: str, size: int, *, overwrite: bool) -> None:
+        src_bucket, src_key = self._object(src)
+        bucket, key = self._object(dst, writing=True)
+        head = self._head(src, src_bucket, src_key)
+        create: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": head.get("Metadata", {})}
+        if head.get("ContentType"):
+            create["ContentType"] = head["ContentType"]
+        part = max(self.copy_part_size, math.ceil(size / MAX_PARTS))
+        upload_id = self._call(dst, self.client.create_multipart_upload, **create)["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, part), start=1):
+                end = min(start + part, size) - 1
+                r = self._call(
+                    dst,
+                    self.client.upload_part_copy,
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource={"Bucket": src_bucket, "Key": src_key},
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
+                parts.append({"PartNumber": number, "ETag": r["CopyPartResult"]["ETag"]})
+            self.complete_upload(dst, bucket, key, upload_id, parts, overwrite=overwrite)
+        except BaseException:
+            self._abort_upload(bucket, key, upload_id, dst)
+            raise
+
+    def complete_upload(
+        self, uri: str, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], *, overwrite: bool
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "Bucket": bucket,
+            "Key": key,
+            "UploadId": upload_id,
+            "MultipartUpload": {"Parts": parts},
+        }
+        if overwrite:
+            return self._call(uri, self.client.complete_multipart_upload, **kwargs)
+        expected = multipart_etag([p["ETag"] for p in parts])
+        return self.create_only(
+            uri, self.client.complete_multipart_upload, ours=lambda got: got.etag == expected, **kwargs
+        )
+
+    def _abort_upload(self, bucket: str, key: str, upload_id: str, uri: str) -> None:
+        """Best effort: a failure here must not hide the error that made us abort."""
+        try:
+            self._call(uri, self.client.abort_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id)
+        except StorageError as e:
+            if not (isinstance(e.__cause__, ClientError) and error_code(e.__cause__)[0] == "NoSuchUpload"):
+                log.warning("could not abort multipart upload %s of %s: %s", upload_id, uri, e)
+
+    def join(self, base: str, *parts: str) -> str:
+        return join_uri(base, *parts)
+
+
+def _same_object(got: ObjectInfo, source: ObjectInfo) -> bool:
+    """Whether ``got`` is a server-side copy of ``source`` (a copy keeps the ETag of a plain object)."""
+    return got.size == source.size and got.etag is not None and got.etag == source.etag
