@@ -22,8 +22,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.engine.cs_yaml import dump_cs_yaml
 from ckptconv.engine.layouts import upgrades
-from ckptconv.engine.layouts.config_files import dump_cs_yaml, dump_hf_json, find_hf_config, load_config
+from ckptconv.engine.layouts.config_files import dump_hf_json, find_hf_config, load_config
 from ckptconv.engine.layouts.config_plan import ConfigResult
 from ckptconv.engine.layouts.models import COMPOSITES, build_plan, convert_config_dict
 from ckptconv.engine.layouts.planner import Request

@@ -10,8 +10,9 @@ from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath, UnmatchedKeys
 from ckptconv.core.releases import CURRENT_RELEASE, release_key
+from ckptconv.engine.cs_yaml import model_section
 from ckptconv.engine.layouts import upgrades
-from ckptconv.engine.layouts.config_files import cs_model_section, load_config
+from ckptconv.engine.layouts.config_files import load_config
 from ckptconv.engine.layouts.planner import build_family_plan
 from ckptconv.engine.layouts.source_info import detect_release
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs
@@ -90,7 +91,7 @@ def composite_model_section(config: Any, model: str, sections: list[str]) -> dic
     """The model section of a composite model's Cerebras config, which must hold ``sections``."""
     if config is None:
         raise ConfigConversionError(f"a {model} checkpoint needs its run config", hint="pass the YAML with --config")
-    section = cs_model_section(config)
+    section = model_section(config)
     missing = [p for p in sections if not isinstance(section.get(p), Mapping)]
     if missing:
         raise ConfigConversionError(

@@ -1,17 +1,17 @@
 """Config files of model conversions: reading a Hugging Face ``config.json`` or a Cerebras run YAML
-from any storage, and finding the ``config.json`` beside a Hugging Face checkpoint."""
+(:mod:`ckptconv.engine.cs_yaml`) from any storage, finding the ``config.json`` beside a Hugging Face
+checkpoint, and writing a ``config.json``."""
 
 from __future__ import annotations
 
-import copy
 import json
 import posixpath
 from collections.abc import Mapping
 from typing import Any
 
-from ckptconv.core.bounded import load_json, load_yaml
+from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import ConfigConversionError, ObjectNotFound
-from ckptconv.engine.layouts.dictpath import get_path
+from ckptconv.engine.cs_yaml import parse_cs_yaml
 from ckptconv.storage import open_storage
 
 
@@ -22,8 +22,9 @@ def _read(uri: str) -> bytes:
 
 def parse_config_bytes(data: bytes, name: str) -> dict[str, Any]:
     """A config file's content: JSON (``config.json``) or YAML (Cerebras run files)."""
-    load = load_json if name.endswith(".json") else load_yaml
-    doc = load(data, what=name, error=ConfigConversionError)
+    if not name.endswith(".json"):
+        return parse_cs_yaml(data, name)
+    doc = load_json(data, what=name, error=ConfigConversionError)
     if not isinstance(doc, dict):
         raise ConfigConversionError(f"{name} does not hold a mapping of config keys")
     return doc
@@ -56,55 +57,6 @@ def find_hf_config(src_uri: str) -> str | None:
     return None
 
 
-# --- CS YAML documents ---------------------------------------------------------------------
-
-
-def cs_model_section(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The model config of a CS YAML: ``trainer.init.model`` (2.3+ layout) or ``model`` (legacy)."""
-    if "trainer" in doc:
-        trainer = doc["trainer"]
-        if isinstance(trainer, list):
-            raise ConfigConversionError(
-                "the config has a list of trainers; convert one trainer's config at a time",
-                hint="split the YAML so it has a single `trainer:` mapping",
-            )
-        model = get_path(trainer, "init.model")
-        if not isinstance(model, Mapping):
-            raise ConfigConversionError("the config's trainer has no init.model section")
-        return dict(model)
-    model = doc.get("model")
-    if not isinstance(model, Mapping):
-        raise ConfigConversionError(
-            "the Cerebras config has no `model:` (or `trainer.init.model:`) section",
-            hint="pass the run YAML of the model (params.yaml / the trainer config)",
-        )
-    return dict(model)
-
-
-def replace_model_section(doc: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(dict(doc))
-    if "trainer" in out and isinstance(out["trainer"], Mapping):
-        out["trainer"].setdefault("init", {})["model"] = dict(model)
-    else:
-        out["model"] = dict(model)
-    return out
-
-
-def sort_nested(d: Any) -> Any:
-    if isinstance(d, Mapping):
-        return {k: sort_nested(d[k]) for k in sorted(d, key=str)}
-    if isinstance(d, list):
-        return [sort_nested(v) for v in d]
-    return d
-
-
-def dump_cs_yaml(doc: Mapping[str, Any]) -> bytes:
-    """YAML as the Model Zoo writes it: keys sorted at every level, indent 4."""
-    import yaml
-
-    return yaml.safe_dump(sort_nested(dict(doc)), indent=4, sort_keys=True, default_flow_style=False).encode()
-
-
 def dump_hf_json(cfg: Mapping[str, Any]) -> bytes:
-
+    """A Hugging Face ``config.json`` as ``save_pretrained`` writes it: indent 4, a final newline."""
     return (json.dumps(dict(cfg), indent=4) + "\n").encode()

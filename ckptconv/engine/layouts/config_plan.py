@@ -11,9 +11,9 @@ from ckptconv.core.errors import (
     ConfigConversionError,
     InvalidRequest,
 )
+from ckptconv.engine.cs_yaml import model_section, replace_model_section
 from ckptconv.engine.layouts import folding, upgrades
 from ckptconv.engine.layouts.config import export_config, import_config
-from ckptconv.engine.layouts.config_files import cs_model_section, replace_model_section
 from ckptconv.engine.layouts.dictpath import fill_defaults, flat_env
 from ckptconv.engine.layouts.expr import evaluate
 from ckptconv.engine.layouts.registry import Family, Variant, resolve
@@ -115,7 +115,7 @@ def convert_config_doc(
     if path[-1] == "hf":
         cs_nodes = path[:-1]
         at = upgrades.config_along(dict(doc), cs_nodes, fam, warnings)
-        model = cs_model_section(at)
+        model = model_section(at)
         release = upgrades.release_of(cs_nodes[-1])
         mup = None
         if table.params.get("mup") != "native" and folding.is_mup(model, release):
@@ -146,7 +146,7 @@ def convert_config_doc(
         warnings += w
         return ConfigResult(hf, fill_defaults(model, table.cs_defaults), hf, warnings, ignored, mup)
     out = upgrades.config_along(dict(doc), path, fam, warnings)
-    model = cs_model_section(out)
+    model = model_section(out)
     if lora_sites:
         model = folding.lora_config(model, lora_sites)
         out = replace_model_section(out, model)

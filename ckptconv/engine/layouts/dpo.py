@@ -20,15 +20,14 @@ lose them on the way out.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
 from ckptconv.core.releases import release_key
+from ckptconv.engine.cs_yaml import model_section, replace_model_section
 from ckptconv.engine.layouts import upgrades
-from ckptconv.engine.layouts.config_files import cs_model_section
 from ckptconv.engine.layouts.config_plan import ConfigResult, convert_family_config
 from ckptconv.engine.layouts.planner import Request, build_family_plan
 from ckptconv.engine.layouts.registry import resolve
@@ -51,19 +50,6 @@ NO_DPO_RELEASE = "2.1"
 # --- configs ----------------------------------------------------------------------------------
 
 
-def _model_section(doc: Mapping[str, Any]) -> dict[str, Any]:
-    return cs_model_section(doc)
-
-
-def _with_model_section(doc: Mapping[str, Any], model: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(dict(doc))
-    if "trainer" in out:
-        out["trainer"]["init"]["model"] = model
-    else:
-        out["model"] = model
-    return out
-
-
 def base_model_of_hf(config: Mapping[str, Any] | None) -> str:
     model_type = (config or {}).get("model_type")
     if not model_type:
@@ -82,7 +68,7 @@ def base_model_of_hf(config: Mapping[str, Any] | None) -> str:
 def base_model_of_cs(config: Mapping[str, Any] | None, *, need_dpo: bool) -> str:
     if config is None:
         raise ConfigConversionError("a DPO checkpoint needs its run config", hint="pass the YAML with --config")
-    model = _model_section(config)
+    model = model_section(config)
     name = model.get("model_name")
     if not name:
         raise ConfigConversionError(
@@ -100,16 +86,16 @@ def base_model_of_cs(config: Mapping[str, Any] | None, *, need_dpo: bool) -> str
 
 def add_dpo_config(doc: Mapping[str, Any], base: str) -> dict[str, Any]:
     """``doc`` (a CS run config) with ``model_name`` and the ``dpo`` defaults added."""
-    model = _model_section(doc)
+    model = model_section(doc)
     if model.get("model_name", base) != base:
         raise ConfigConversionError(f"model.model_name is {model['model_name']!r}, but the model is {base!r}")
-    return _with_model_section(doc, {"model_name": base, **model, "dpo": model.get("dpo", dict(DPO_DEFAULTS))})
+    return replace_model_section(doc, {"model_name": base, **model, "dpo": model.get("dpo", dict(DPO_DEFAULTS))})
 
 
 def strip_dpo_config(doc: Mapping[str, Any]) -> dict[str, Any]:
     """``doc`` without the DPO fields, as the language model's own conversion expects it."""
-    model = {k: v for k, v in _model_section(doc).items() if k not in ("model_name", "dpo")}
-    return _with_model_section(doc, model)
+    model = {k: v for k, v in model_section(doc).items() if k not in ("model_name", "dpo")}
+    return replace_model_section(doc, model)
 
 
 def convert_dpo_config(doc: Mapping[str, Any], *, src_fmt: str, tgt_fmt: str) -> ConfigResult:
@@ -134,7 +120,7 @@ def convert_dpo_config(doc: Mapping[str, Any], *, src_fmt: str, tgt_fmt: str) ->
 def _no_dpo_config(doc: Mapping[str, Any], base: str) -> dict[str, Any]:
     """A cs-2.1-no-dpo config keeps model_name (the way back to DPO needs it) and drops dpo."""
     stripped = strip_dpo_config(doc)
-    return _with_model_section(stripped, {"model_name": base, **_model_section(stripped)})
+    return replace_model_section(stripped, {"model_name": base, **model_section(stripped)})
 
 
 def _no_path(src_fmt: str, tgt_fmt: str) -> NoConversionPath:

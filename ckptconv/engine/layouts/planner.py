@@ -33,8 +33,8 @@ from ckptconv.core.errors import (
     UnmatchedKeys,
 )
 from ckptconv.core.releases import release_key
+from ckptconv.engine.cs_yaml import model_section
 from ckptconv.engine.layouts import folding, sparsity, upgrades
-from ckptconv.engine.layouts.config_files import cs_model_section
 from ckptconv.engine.layouts.config_plan import MODEL, ConfigResult, Env, convert_config_doc
 from ckptconv.engine.layouts.expr import evaluate
 from ckptconv.engine.layouts.registry import Family, Variant, resolve
@@ -305,7 +305,7 @@ def _plan_export(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
     shapes = {c: tuple(by_key[s].shape or ()) for c, s in canon_to_src.items() if by_key[s].shape is not None}
     sites: list[folding.LoraSite] = []
     if req.fold_lora:
-        cs_model = cs_model_section(config)
+        cs_model = model_section(config)
         sites = folding.lora_sites(order, shapes, cs_model)
     elif any(k.endswith((".lora_A", ".lora_B")) for k in order):
         raise ConversionError(
@@ -380,7 +380,7 @@ def _plan_cs_to_cs(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
             shapes[inner] = tuple(e.shape)
     sites: list[folding.LoraSite] = []
     if req.fold_lora:
-        sites = folding.lora_sites(inner_keys, shapes, cs_model_section(config))
+        sites = folding.lora_sites(inner_keys, shapes, model_section(config))
     conf = convert_config_doc(fam, var, config, path, lora_sites=sites)
     lora_consumed = {s.a for s in sites} | {s.b for s in sites}
     lora_by_base = {s.base: s for s in sites}

@@ -33,6 +33,7 @@ from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError, NoConversionPath
 from ckptconv.core.releases import CURRENT_RELEASE, RELEASES, release_key
+from ckptconv.engine.cs_yaml import editable_model_section
 from ckptconv.engine.layouts.registry import Family
 
 # --- formats ---------------------------------------------------------------------------------
@@ -160,14 +161,8 @@ class EdgeCtx:
     warnings: list[str] = field(default_factory=list)
 
 
-def _model(doc: dict[str, Any]) -> dict[str, Any]:
-    if "trainer" in doc and isinstance(doc["trainer"], Mapping):
-        return doc["trainer"].setdefault("init", {}).setdefault("model", {})
-    return doc.setdefault("model", {})
-
-
 def _norm_flag_up(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
-    m = _model(doc)
+    m = editable_model_section(doc)
     if "use_rms_norm" in m:
         m["norm_type"] = "rmsnorm" if m.pop("use_rms_norm") else m.get("norm_type", "layernorm")
     if "use_biasless_norm" in m:
@@ -178,7 +173,7 @@ def _norm_flag_up(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
 
 
 def _norm_flag_down(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
-    m = _model(doc)
+    m = editable_model_section(doc)
     nt = m.pop("norm_type", None)
     if nt is None:
         return doc
@@ -197,7 +192,7 @@ def _norm_flag_down(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
 def _bert_heads_up(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
     if ctx.family.name not in ("bert", "roberta"):
         return doc
-    m = _model(doc)
+    m = editable_model_section(doc)
     m.setdefault("pooler_nonlinearity", m.get("encoder_nonlinearity", "gelu"))
     m.setdefault("mlm_nonlinearity", "gelu")
     return doc
@@ -206,7 +201,7 @@ def _bert_heads_up(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
 def _bert_heads_down(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
     if ctx.family.name not in ("bert", "roberta"):
         return doc
-    m = _model(doc)
+    m = editable_model_section(doc)
     enc = m.get("encoder_nonlinearity", "gelu")
     if m.get("pooler_nonlinearity", enc) != enc or m.get("mlm_nonlinearity", "gelu") != "gelu":
         raise ConfigConversionError(
@@ -220,7 +215,7 @@ def _bert_heads_down(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
 
 def _t5_prenorm_flip(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
     if ctx.family.name == "t5":
-        m = _model(doc)
+        m = editable_model_section(doc)
         if "use_pre_encoder_decoder_layer_norm" in m:
             m["use_pre_encoder_decoder_layer_norm"] = not m["use_pre_encoder_decoder_layer_norm"]
     return doc
@@ -260,7 +255,7 @@ def _rename_in(d: dict[str, Any], aliases: Mapping[str, str]) -> None:
 
 
 def _up_2_1(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
-    m = _model(doc)
+    m = editable_model_section(doc)
     opt = doc.get("optimizer")
     if isinstance(opt, dict):
         if "weight_decay_rate" in opt and "weight_decay" not in opt:
@@ -289,7 +284,7 @@ def _up_2_1(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
 
 
 def _down_2_1(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
-    m = _model(doc)
+    m = editable_model_section(doc)
     fp16 = m.pop("fp16_type", None)
     if fp16 is not None:
         m["use_bfloat16"] = fp16 in ("bfloat16", "cbfloat16")
@@ -511,7 +506,7 @@ def _down_2_3(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
 
 
 def _up_2_4(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
-    m = _model(doc)
+    m = editable_model_section(doc)
     m.setdefault("name", ctx.family.cs_name)
     return doc
 
@@ -521,7 +516,7 @@ def _identity(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
 
 
 def _remove_name(doc: dict[str, Any], ctx: EdgeCtx) -> dict[str, Any]:
-    _model(doc).pop("name", None)
+    editable_model_section(doc).pop("name", None)
     return doc
 
 

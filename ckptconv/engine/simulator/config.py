@@ -1,7 +1,8 @@
 """The ``model:`` section of a Cerebras YAML config, with the Model Zoo model-class defaults.
 
 A Cerebras config names its model section either at the top level (``model:``, the legacy layout
-the converters write) or under ``trainer.init.model`` (2.3+ trainer layout). Keys a config does not
+the converters write) or under ``trainer.init.model`` (2.3+ trainer layout); both are read by
+:mod:`ckptconv.engine.cs_yaml`, as model conversion reads them. Keys a config does not
 set take the defaults of the Model Zoo class that implements the model, which is why a converted
 GPT-2 YAML with 16 keys still describes learned positions, layer norms and biases, and why a llama
 YAML has to spell out ``position_embedding_type: rotary`` and friends.
@@ -18,8 +19,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptconv.core.bounded import load_yaml
 from ckptconv.core.errors import InvalidRequest, SimulationError, UnknownModel
+from ckptconv.engine.cs_yaml import model_section
 
 GPT2 = "GPT2LMHeadModel"
 GPTJ = "GPTJModel"
@@ -354,48 +355,6 @@ class CsModelConfig:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.params.get(key, default)
-
-
-def load_yaml_text(text: str | bytes) -> dict[str, Any]:
-    data = load_yaml(text, what="the Cerebras config", error=InvalidRequest)
-    if not isinstance(data, dict):
-        raise InvalidRequest("the Cerebras config must be a YAML mapping with a `model:` or `trainer:` section")
-    return data
-
-
-def read_config(uri: str) -> dict[str, Any]:
-    """Read a YAML config from a local path or ``s3://`` URI."""
-    from ckptconv.storage import open_storage
-
-    storage = open_storage(uri)
-    return load_yaml_text(storage.read_all(uri))
-
-
-def trainer_init(config: dict[str, Any]) -> dict[str, Any] | None:
-    """``trainer.init`` of a 2.3+ config, None for the legacy layout."""
-    trainer = config.get("trainer")
-    if trainer is None:
-        return None
-    if isinstance(trainer, list):
-        raise InvalidRequest(
-            "the config holds a list of trainers; the simulator runs one",
-            hint="keep a single `trainer:` mapping in the YAML",
-        )
-    if not isinstance(trainer, dict):
-        raise InvalidRequest("`trainer:` must be a mapping")
-    init = trainer.get("init") or {}
-    if not isinstance(init, dict):
-        raise InvalidRequest("`trainer.init` must be a mapping")
-    return init
-
-
-def model_section(config: dict[str, Any]) -> dict[str, Any]:
-    init = trainer_init(config)
-    section = init.get("model") if init is not None else config.get("model")
-    if not isinstance(section, dict):
-        where = "trainer.init.model" if init is not None else "model"
-        raise InvalidRequest(f"the Cerebras config has no `{where}:` mapping")
-    return section
 
 
 def resolve_model_name(model: str | None, section: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ckptconv.core.errors import Cancelled, InvalidRequest
+from ckptconv.engine.cs_yaml import read_cs_yaml
 from ckptconv.engine.simulator import config as cfg
 from ckptconv.engine.simulator.checkpoint_io import open_checkpoint, read_checkpoint, top_level_keys, write_checkpoint
 from ckptconv.engine.simulator.checkpoint_policy import (
@@ -238,7 +239,7 @@ def simulate(
     before each one and, when true, stops the run with :class:`Cancelled`. Checkpoints already
     saved stay (each is complete and indexed), as an interrupted appliance run leaves them.
     """
-    config_doc = cfg.read_config(config) if isinstance(config, str) else dict(config)
+    config_doc = read_cs_yaml(config) if isinstance(config, str) else dict(config)
     model_cfg = cfg.parse_model_config(config_doc, model)
     loop = _loop_section(config_doc)
     max_steps = steps if steps is not None else loop.get("max_steps")

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from ckptconv.core.errors import InvalidRequest, SimulationError
+from ckptconv.engine.cs_yaml import read_cs_yaml
 from ckptconv.engine.simulator import config as cfg
-from ckptconv.engine.simulator.config import CsModelConfig, parse_model_config, read_config
+from ckptconv.engine.simulator.config import CsModelConfig, parse_model_config
 from ckptconv.engine.simulator.loading import load_model_state
 from ckptconv.engine.simulator.models import build_model
 
@@ -245,7 +246,7 @@ def verify(
         raise InvalidRequest("tolerance and rtol must be non-negative")
     if model in NOT_SIMULATED:
         return {"verdict": "skipped", "passed": False, "reason": NOT_SIMULATED[model]}
-    config_doc = read_config(cs_config) if isinstance(cs_config, str) else dict(cs_config)
+    config_doc = read_cs_yaml(cs_config) if isinstance(cs_config, str) else dict(cs_config)
     cs_cfg = parse_model_config(config_doc, model)
     hf_class, headless = hf_class_for(cs_cfg.model)
     inputs = make_inputs(cs_cfg, batch_size=batch_size, seq_len=seq_len, seed=seed)
