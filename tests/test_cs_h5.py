@@ -603,6 +603,18 @@ def test_code_in_an_object_payload_never_runs(tmp_path, monkeypatch):
     assert not marker.exists()
 
 
+def test_attributes_are_checked_before_they_are_read():
+    """What an attribute holds is refused by its HDF5 type and size, before h5py builds it."""
+    cases = {
+        "h5_reference_attr.mdl": "type class reference",
+        "h5_nested_compound_attr.mdl": "type class compound",
+        "h5_amplified_strings.mdl": "401 variable-length strings",
+    }
+    for name, message in cases.items():
+        with pytest.raises(CorruptCheckpoint, match=message):
+            source(ATTACKS / name)
+
+
 def test_attack_generator_still_works(tmp_path):
     made = make_h5_attacks.make(tmp_path / "gen")
     assert sorted(p.name for p in made) == sorted(make_h5_attacks.EXPECTED)

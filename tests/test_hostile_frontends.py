@@ -28,8 +28,13 @@ ATTACKS = Path(__file__).resolve().parent / "attacks"
 sys.path.insert(0, str(ATTACKS))
 import make_h5_attacks  # noqa: E402
 import make_tensor_attacks  # noqa: E402
+import make_tf_attacks  # noqa: E402
 
-CORPUS: dict[str, tuple[str | None, str]] = {**make_h5_attacks.EXPECTED, **make_tensor_attacks.EXPECTED}
+CORPUS: dict[str, tuple[str | None, str]] = {
+    **make_h5_attacks.EXPECTED,
+    **make_tensor_attacks.EXPECTED,
+    **make_tf_attacks.EXPECTED,
+}
 
 
 def expected_code(name: str) -> str | None:
@@ -43,6 +48,8 @@ def conversion(name: str) -> tuple[str, str | None]:
         return "safetensors", "cs-h5"
     if name.startswith("st_"):
         return "cs-h5", "safetensors"
+    if name.startswith("tf_"):
+        return "safetensors", "tf"
     return "safetensors", "torch"
 
 

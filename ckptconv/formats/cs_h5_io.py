@@ -49,6 +49,20 @@ def damaged_as_corrupt(uri: str) -> Iterator[None]:
         raise CorruptCheckpoint(f"{uri}: the HDF5 structure is damaged ({type(e).__name__}: {e})") from None
 
 
+# Attribute type classes a checkpoint may hold (bools are h5py enums over integers).
+_ATTR_CLASSES = {h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING, h5py.h5t.ENUM, h5py.h5t.OPAQUE}
+_ATTR_CLASS_NAMES = {
+    h5py.h5t.REFERENCE: "reference",
+    h5py.h5t.COMPOUND: "compound",
+    h5py.h5t.ARRAY: "array",
+    h5py.h5t.VLEN: "variable-length sequence",
+    h5py.h5t.BITFIELD: "bitfield",
+    h5py.h5t.TIME: "time",
+}
+# cstorch writes string attributes as scalars or one-element arrays; a few more are tolerated.
+MAX_ATTR_STRINGS = 64
+
+
 class H5File:
     """One open H5 checkpoint plus the means to read its chunks without HDF5."""
 
@@ -105,12 +119,45 @@ class H5File:
         return self.attr(self.file, name, default)
 
     def attr(self, obj: Any, name: str, default: Any = None) -> Any:
+        """The value of attribute ``name`` of ``obj``, its type and size checked before it is read."""
         try:
             if name not in obj.attrs:
                 return default
+            self._check_attr(h5py.h5a.open(obj.id, name.encode()), name)
             return obj.attrs[name]
         except H5_ERRORS as e:
             raise CorruptCheckpoint(f"{self.uri}: attribute {name!r} is unreadable: {e}") from None
+
+    def _check_attr(self, aid: Any, name: str) -> None:
+        """Refuse an attribute no Cerebras writer makes before h5py materializes it.
+
+        Checkpoints hold numbers, booleans, strings and opaque bytes in their attributes. Other
+        types (object and region references, compounds, arrays, sequences, nested to any depth)
+        are refused by class, so nothing nested is ever decoded. A fixed-size value lives inside
+        the file, so its size cannot exceed the file's; variable-length strings can all point at
+        one large heap object, so how many of them one attribute may hold is bounded.
+        """
+        tid = aid.get_type()
+        cls = tid.get_class()
+        if cls not in _ATTR_CLASSES:
+            raise CorruptCheckpoint(
+                f"{self.uri}: attribute {name!r} has HDF5 type class {_ATTR_CLASS_NAMES.get(cls, cls)}, "
+                "which no Cerebras checkpoint holds"
+            )
+        if cls == h5py.h5t.ENUM and tid.get_super().get_class() != h5py.h5t.INTEGER:
+            raise CorruptCheckpoint(f"{self.uri}: attribute {name!r} is an enumeration of a non-integer type")
+        count = math.prod(aid.shape or ())
+        if cls == h5py.h5t.STRING and tid.is_variable_str():
+            if count > MAX_ATTR_STRINGS:
+                raise CorruptCheckpoint(
+                    f"{self.uri}: attribute {name!r} holds {count} variable-length strings "
+                    f"(at most {MAX_ATTR_STRINGS} in a checkpoint's attribute)"
+                )
+        elif count * tid.get_size() > self.size:
+            raise CorruptCheckpoint(
+                f"{self.uri}: attribute {name!r} claims {count * tid.get_size()} bytes, "
+                f"more than the file's {self.size}"
+            )
 
     def dataset(self, name: str, key: str) -> h5py.Dataset:
         """The dataset ``name``; refuses anything that would read bytes outside this file."""

@@ -267,6 +267,8 @@ def decode_slice(buf: bytes) -> tuple[Extent, ...]:
         if num != 1:
             continue
         _expect(wire, _LEN, "TensorSliceProto.extent")
+        if len(extents) == MAX_RANK:
+            raise CorruptCheckpoint(f"tensor slice has more than {MAX_RANK} extents")
         start, length = 0, FULL_EXTENT
         for n2, w2, v2 in _fields(value):  # type: ignore[arg-type]
             if n2 == 1:
@@ -286,11 +288,20 @@ def encode_shape(shape: tuple[int, ...]) -> bytes:
     return b"".join(_msg_field(2, _int_field(1, d)) for d in shape)
 
 
+# TensorFlow's TensorShape holds at most 254 dimensions: a deeper shape was not written by it.
+MAX_RANK = 254
+# Partitioned variables are split in as many slices as parameter servers: a few, at most hundreds.
+# Their overlap check compares every pair, so the count is bounded.
+MAX_SLICES = 1024
+
+
 def decode_shape(buf: bytes) -> tuple[int, ...]:
     dims: list[int] = []
     for num, wire, value in _fields(buf):
         if num == 2:
             _expect(wire, _LEN, "TensorShapeProto.dim")
+            if len(dims) == MAX_RANK:
+                raise CorruptCheckpoint(f"tensor shape has more than {MAX_RANK} dimensions")
             size = 0
             for n2, w2, v2 in _fields(value):  # type: ignore[arg-type]
                 if n2 == 1:
@@ -351,6 +362,8 @@ class BundleEntry:
                 crc = int(value)  # type: ignore[arg-type]
             elif num == 7:
                 _expect(wire, _LEN, "BundleEntryProto.slices")
+                if len(slices) == MAX_SLICES:
+                    raise CorruptCheckpoint(f"bundle entry lists more than {MAX_SLICES} slices")
                 slices.append(decode_slice(value))  # type: ignore[arg-type]
         if shard_id < 0 or offset < 0 or size < 0:
             raise CorruptCheckpoint(f"bundle entry has a negative shard, offset or size ({shard_id}, {offset}, {size})")

@@ -43,6 +43,8 @@ BLOCK_SIZE = 256 << 10
 RESTART_INTERVAL = 16
 # A block decompresses to at most this much (TensorFlow's are ~256 KiB; an index is read whole anyway).
 MAX_BLOCK_BYTES = 1 << 30
+# Snappy's densest element, a 3-byte copy, yields 64 bytes: no block expands more than this.
+MAX_SNAPPY_RATIO = 22
 
 _MASK_DELTA = 0xA282EAD8
 
@@ -94,8 +96,10 @@ def _unsnappy(raw: bytes, what: str) -> bytes:
         size, _ = decode_varint(raw, 0)
     except CorruptCheckpoint:
         raise CorruptCheckpoint(f"TensorFlow index {what} block: snappy data without a length") from None
-    if size > MAX_BLOCK_BYTES:
-        raise CorruptCheckpoint(f"TensorFlow index {what} block claims {size} bytes once snappy-decompressed")
+    if size > min(MAX_BLOCK_BYTES, MAX_SNAPPY_RATIO * len(raw)):
+        raise CorruptCheckpoint(
+            f"TensorFlow index {what} block of {len(raw)} bytes claims {size} bytes once snappy-decompressed"
+        )
     try:
         out = bytes(cramjam.snappy.decompress_raw(raw))
     except cramjam.DecompressionError as e:
@@ -149,10 +153,16 @@ def read_table(data: bytes) -> list[tuple[bytes, bytes]]:
     if index_off + index_size + BLOCK_TRAILER_SIZE > footer_at:
         raise CorruptCheckpoint("TensorFlow index footer points past the end of the file")
     out: list[tuple[bytes, bytes]] = []
+    # Data blocks are written one after the other: handles that go back or overlap would make a
+    # small file decode the same block over and over, so each block is read once at most.
+    next_free = 0
     for _sep, handle in iter_block(_block(data, index_off, index_size, "index")):
         off, size, end = _handle(handle, 0)
         if end != len(handle) or off + size + BLOCK_TRAILER_SIZE > index_off:
             raise CorruptCheckpoint("TensorFlow index block handle is malformed or out of range")
+        if off < next_free:
+            raise CorruptCheckpoint("TensorFlow index data blocks overlap or are listed out of order")
+        next_free = off + size + BLOCK_TRAILER_SIZE
         out.extend(iter_block(_block(data, off, size, "data")))
     for (a, _), (b, _) in itertools.pairwise(out):
         if not a < b:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import sys
 from pathlib import Path
 
@@ -31,6 +32,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "h5_bad_lz4_chunk.mdl": ("CorruptCheckpoint", "read"),
     "h5_bytes_exec.mdl": (None, "read"),  # reads fine: the payload stays opaque, never executed
     "h5_legacy_spec_exec.mdl": ("UnsafeCheckpoint", "open"),
+    # Attributes no writer makes: refused by type and size before h5py materializes them.
+    "h5_reference_attr.mdl": ("CorruptCheckpoint", "open"),
+    "h5_nested_compound_attr.mdl": ("CorruptCheckpoint", "open"),
+    "h5_amplified_strings.mdl": ("CorruptCheckpoint", "open"),
 }
 
 
@@ -143,7 +148,39 @@ def make(out: Path) -> list[Path]:
         ds = f.create_dataset("w", data=np.zeros(3, np.float32))
         ds.attrs["__H5_TYPE__"] = "TorchTensorH5Type"
         ds.attrs["is_bfloat16"] = np.bool_(False)
+    p = fresh("h5_reference_attr.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        f.attrs["model.w.__metadata__"] = np.array([f["model.w"].ref] * 3)
+
+    p = fresh("h5_nested_compound_attr.mdl")
+    _small_checkpoint(p)
+    nested = np.dtype("i4")
+    for _ in range(30):
+        nested = np.dtype([("a", nested)])
+    with h5py.File(p, "r+") as f:
+        f["model.w"].attrs.create("dtypes", np.zeros((), nested))
+
+    p = fresh("h5_amplified_strings.mdl")
+    _amplified_strings(p)
     return made
+
+
+def _amplified_strings(path: Path, count: int = 400, size: int = 20_000) -> None:
+    """A dataset attribute of ``count`` variable-length strings that all point at one heap
+    object of ``size`` bytes: 48 KB on disk, 8 MB once read (more with larger counts)."""
+    _small_checkpoint(path)
+    with h5py.File(path, "r+") as f:
+        f["model.w"].attrs["dtypes"] = np.array(["A" * size] + [""] * count, dtype=h5py.string_dtype())
+    data = bytearray(path.read_bytes())
+    # Each element on disk: length (4 bytes), heap collection address (8), object index (4).
+    first = data.find(struct.pack("<I", size))
+    ref = bytes(data[first : first + 16])
+    for k in range(1, count + 1):
+        at = first + 16 * k
+        assert data[at : at + 4] == bytes(4), "the empty strings follow the long one"
+        data[at : at + 16] = ref
+    path.write_bytes(bytes(data))
 
 
 if __name__ == "__main__":
