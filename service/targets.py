@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from ckptconv.core.errors import ObjectNotFound, StorageError, StorageUnavailable, TargetTaken
+from ckptconv.core.errors import ObjectNotFound, StorageUnavailable, TargetTaken
 from ckptconv.core.jobstore import target_identity
 from ckptconv.formats import target_exists
 from ckptconv.storage import open_storage
@@ -36,7 +36,7 @@ async def refuse_existing_target(target_doc: dict[str, Any], timeout: float) -> 
             exists = await anyio.to_thread.run_sync(check, abandon_on_cancel=True)
     except TimeoutError:
         raise StorageUnavailable(f"the object store did not answer within {timeout:g} s about {uri}") from None
-    except (StorageError, OSError) as e:
+    except OSError as e:  # a StorageError, or a socket error a client library let through
         raise StorageUnavailable(f"cannot check whether {uri} exists: {e}") from e
     if exists:
         raise TargetTaken(

@@ -58,6 +58,8 @@ def load_json(
         return json.loads(text, object_pairs_hook=object_pairs_hook)
     except RecursionError:  # not reached within max_depth; a last line of defence
         raise error(f"{what} nests too deeply") from None
+    except CkptconvError:  # raised by object_pairs_hook: already says what is wrong
+        raise
     except ValueError as e:
         raise error(f"{what} is not valid JSON: {e}") from None
 

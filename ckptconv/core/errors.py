@@ -6,7 +6,14 @@ One hierarchy serves the engine, the CLI and the HTTP API:
 - the message is the human sentence, ``hint`` says what to do about it;
 - ``to_problem()`` renders an RFC 9457 ``application/problem+json`` body;
 - instances pickle (Celery sends them between processes) and rebuild from a problem body
-  (``from_problem``), so a worker's error reaches the API unchanged.
+  (``from_problem``), so a worker's error reaches the API unchanged;
+- where a built-in exception means the same thing, a class also derives from it, so code that
+  knows only Python's exceptions handles ours: a missing object is a ``FileNotFoundError``, a
+  storage failure an ``OSError``, an existing target a ``FileExistsError``, a bad request or an
+  unreadable checkpoint a ``ValueError``, an unknown resource a ``LookupError``, a deadline a
+  ``TimeoutError``. ``CkptconvError`` comes first in each class's bases, so its ``__init__``,
+  ``__str__`` and pickling win over the built-in's. Code that translates third-party ``OSError`` or
+  ``ValueError`` into ours lets ``CkptconvError`` pass through first (it is one of those now).
 
 This module imports nothing heavy: the API process uses it too.
 """
@@ -115,7 +122,7 @@ def _rebuild(name: str, message: str, hint: str | None, details: dict[str, Any])
 # --- request and API errors -------------------------------------------------------------------
 
 
-class InvalidRequest(CkptconvError):
+class InvalidRequest(CkptconvError, ValueError):
     code = "invalid_request"
     http_status = 422
     title = "Invalid request"
@@ -146,7 +153,7 @@ class Forbidden(CkptconvError):
     title = "Forbidden"
 
 
-class NotFound(CkptconvError):
+class NotFound(CkptconvError, LookupError):
     code = "not_found"
     http_status = 404
     title = "Not found"
@@ -220,13 +227,13 @@ class WebhookRefused(InvalidRequest):
     default_hint = "use a public http(s) URL: private, loopback, link-local and reserved addresses are refused"
 
 
-class WorkerTimeout(ServiceUnavailable):
+class WorkerTimeout(ServiceUnavailable, TimeoutError):
     code = "worker_timeout"
     title = "No worker answered in time"
     default_hint = "retry later; check that a worker consumes the interactive queue (`ckptconv worker`)"
 
 
-class StorageUnavailable(ServiceUnavailable):
+class StorageUnavailable(ServiceUnavailable, OSError):
     """The object store did not answer a check the API makes itself (in time, or at all)."""
 
     code = "storage_unavailable"
@@ -238,21 +245,21 @@ class StorageUnavailable(ServiceUnavailable):
 # --- storage ---------------------------------------------------------------------------------
 
 
-class StorageError(CkptconvError):
+class StorageError(CkptconvError, OSError):
     code = "storage_error"
     http_status = 502
     title = "Storage error"
     default_hint = "check the URI, the credentials (AWS_* variables) and that the object store is reachable"
 
 
-class ObjectNotFound(StorageError):
+class ObjectNotFound(StorageError, FileNotFoundError):
     code = "object_not_found"
     http_status = 404
     title = "Object not found"
     default_hint = "check the URI: nothing exists there"
 
 
-class TargetExists(CkptconvError):
+class TargetExists(CkptconvError, FileExistsError):
     code = "target_exists"
     http_status = 409
     title = "Target already exists"
@@ -265,7 +272,7 @@ class TargetTaken(Conflict):
     default_hint = "wait for that job to end, cancel it, or choose another target URI"
 
 
-class PathEscape(CkptconvError):
+class PathEscape(CkptconvError, ValueError):
     code = "path_escape"
     http_status = 422
     title = "Key or path escapes its prefix"
@@ -275,7 +282,7 @@ class PathEscape(CkptconvError):
 # --- checkpoint input ------------------------------------------------------------------------
 
 
-class CheckpointError(CkptconvError):
+class CheckpointError(CkptconvError, ValueError):
     """The checkpoint itself is unreadable or unacceptable."""
 
     code = "bad_checkpoint"
@@ -379,7 +386,7 @@ class Cancelled(CkptconvError):
     title = "Cancelled"
 
 
-class TimeLimitExceeded(CkptconvError):
+class TimeLimitExceeded(CkptconvError, TimeoutError):
     code = "time_limit_exceeded"
     http_status = 408
     title = "Time limit exceeded"

@@ -89,6 +89,9 @@ class H5File:
                     read_bytes=lambda off, n: storage.read_range(uri, off, n),
                     threads=threads,
                 )
+        except CkptconvError:  # the storage's own error (missing, unreachable): not a damaged file
+            self.close()
+            raise
         except (OSError, RuntimeError) as e:
             self.close()
             raise CorruptCheckpoint(
@@ -125,6 +128,8 @@ class H5File:
                 return default
             self._check_attr(h5py.h5a.open(obj.id, name.encode()), name)
             return obj.attrs[name]
+        except CkptconvError:  # ours (UnsafeCheckpoint, a storage error) are already typed
+            raise
         except H5_ERRORS as e:
             raise CorruptCheckpoint(f"{self.uri}: attribute {name!r} is unreadable: {e}") from None
 
@@ -169,6 +174,8 @@ class H5File:
                     hint="checkpoints must hold their own data; copy the linked data into the file first",
                 )
             obj = self.file.get(name)
+        except CkptconvError:  # ours (UnsafeCheckpoint, a storage error) are already typed
+            raise
         except H5_ERRORS as e:
             raise CorruptCheckpoint(f"{key!r}: dataset {name!r} is unreadable: {e}") from None
         if obj is None:
@@ -228,6 +235,8 @@ class H5File:
     def _read_array(self, ds: h5py.Dataset, key: str) -> np.ndarray:
         try:
             arr = ds[()]
+        except CkptconvError:  # ours (UnsafeCheckpoint, a storage error) are already typed
+            raise
         except H5_ERRORS as e:
             raise CorruptCheckpoint(f"{key!r}: dataset is unreadable: {e}") from None
         arr = np.asarray(arr)
@@ -249,6 +258,8 @@ class H5File:
             if filters and any(not h5py.h5z.filter_avail(f) for f in filters):
                 raise UnsupportedFormat(f"{key!r}: dataset uses HDF5 filters {filters} that are not available")
             ds.read_direct(dest)
+        except CkptconvError:  # ours (UnsafeCheckpoint, a storage error) are already typed
+            raise
         except H5_ERRORS as e:
             raise CorruptCheckpoint(f"{key!r}: dataset is unreadable: {e}") from None
 

@@ -18,7 +18,7 @@ import io
 import pickle
 from typing import IO, Any
 
-from ckptconv.core.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
+from ckptconv.core.errors import CheckpointError, CkptconvError, CorruptCheckpoint, UnsafeCheckpoint
 from ckptconv.formats.pickle_allowlist import (
     MAX_NESTING,
     PickledLeafSpec,
@@ -57,6 +57,8 @@ def run(unpickler: pickle.Unpickler, what: str) -> Any:
         return unpickler.load()
     except CheckpointError as e:
         raise type(e)(f"{what}: {e.message}", hint=e.hint, **e.details) from None
+    except CkptconvError:  # e.g. a storage error while reading a persistent record: not a bad pickle
+        raise
     except RecursionError:
         raise CorruptCheckpoint(f"{what}: the pickle is nested too deeply") from None
     except Exception as e:  # malformed streams raise a zoo of exception types

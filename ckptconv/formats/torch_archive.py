@@ -16,7 +16,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.dtypes import DTYPE_SIZES
-from ckptconv.core.errors import CorruptCheckpoint, UnsupportedFormat
+from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsupportedFormat
 from ckptconv.formats.pickle_allowlist import MAX_NESTING, StorageRef, StorageType, TensorRef
 from ckptconv.formats.restricted_pickle import RestrictedUnpickler, run
 from ckptconv.formats.sharding import Slot, read_slot
@@ -114,6 +114,8 @@ class Archive:
         try:
             with self._reader() as reader, zipfile.ZipFile(reader) as zf:
                 self.members = {info.filename: info for info in zf.infolist()}
+        except CkptconvError:  # the storage's own error (missing, unreachable): not a damaged archive
+            raise
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             raise CorruptCheckpoint(f"{self.uri} is not a readable zip archive ({e})") from e
         names = list(self.members)

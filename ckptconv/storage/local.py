@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists
+from ckptconv.core.errors import CkptconvError, InvalidRequest, ObjectNotFound, StorageError, TargetExists
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import local_path_of
 from ckptconv.storage.base import ObjectInfo, Storage, Writer
@@ -45,6 +45,8 @@ def _os_errors(uri: str, *, reading: bool = True) -> Iterator[None]:
     """Translate OSError into the typed storage errors (missing paths are ObjectNotFound when reading)."""
     try:
         yield
+    except CkptconvError:  # already typed (TargetExists is a FileExistsError, StorageError an OSError)
+        raise
     except FileNotFoundError as e:
         if reading:
             raise ObjectNotFound(f"no such file: {uri}", uri=uri) from e

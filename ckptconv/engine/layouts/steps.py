@@ -9,6 +9,7 @@ from typing import Any
 
 from ckptconv.core.dtypes import is_float_dtype
 from ckptconv.core.errors import (
+    CkptconvError,
     ConversionError,
 )
 from ckptconv.engine.layouts import folding
@@ -67,7 +68,7 @@ def make_step(
 
     try:
         probe = fn([meta_tensor(entries[k]) for k in flat])
-    except ConversionError:
+    except CkptconvError:  # already typed (a CheckpointError is a ValueError too)
         raise
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         raise ConversionError(

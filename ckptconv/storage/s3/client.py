@@ -27,7 +27,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from ckptconv.core.errors import ObjectNotFound, StorageError, TargetExists
+from ckptconv.core.errors import CkptconvError, ObjectNotFound, StorageError, TargetExists
 
 # A handful of engine threads plus one background uploader per open writer (plus the parallel reads).
 MAX_POOL_CONNECTIONS = 16
@@ -78,6 +78,8 @@ class TruncatedResponse(Exception):
 
 def transient(e: BaseException) -> bool:
     """Whether retrying ``e`` may succeed (the policy in :mod:`ckptconv.storage.retry` decides how often)."""
+    if isinstance(e, CkptconvError):  # a typed answer (StorageError is an OSError, but already final)
+        return False
     if isinstance(e, ClientError):
         code, status = error_code(e)
         return code in TRANSIENT_CODES or status == 429 or (status is not None and status >= 500 and status != 501)
@@ -173,6 +175,8 @@ def s3_errors(uri: str, endpoint: str | None = None) -> Iterator[None]:
     """Translate botocore exceptions raised inside the block into typed ckptconv errors."""
     try:
         yield
+    except CkptconvError:  # already typed; StorageError is an OSError and must not be wrapped again
+        raise
     except ClientError as e:
         raise typed_error(e, uri) from e
     except (NoCredentialsError, PartialCredentialsError) as e:
