@@ -24,6 +24,7 @@ from ckptconv.core.errors import Unauthorized
 from ckptconv.core.jobstore import JobStore, RedisKeys
 from ckptconv.core.settings import DEFAULT_WEBHOOK_SECRET, Settings
 from ckptconv.core.webhooks import sign, verify
+from ckptconv.formats import FORMATS
 from service.app import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -366,6 +367,7 @@ def test_catalog_health_and_metrics(api) -> None:
     formats = {f["name"]: f for f in api.client.get("/v1/formats").json()["formats"]}
     assert {"cs-h5", "safetensors", "torch", "tf", "cs-s3"} <= set(formats)
     assert formats["cs-h5"]["read"] and formats["cs-h5"]["write"]
+    assert formats == {f.name: f.describe() for f in FORMATS.values()}  # the registry, as it is
     kinds = {k["name"]: k for k in api.client.get("/v1/kinds").json()["kinds"]}
     assert "shard_size" in kinds["convert"]["options_schema"]["properties"]
     assert api.client.get("/healthz").json() == {"status": "ok"}

@@ -204,10 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_formats(args: argparse.Namespace) -> int:
     from ckptconv.formats import FORMATS
 
-    rows = [
-        {"name": f.name, "read": f.source is not None, "write": f.sink is not None, "description": f.description}
-        for f in FORMATS.values()
-    ]
+    rows = [f.describe() for f in FORMATS.values()]
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()

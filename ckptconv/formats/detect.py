@@ -1,8 +1,11 @@
 """Which container format a URI holds, and where a conversion's outputs go.
 
-Detection looks at names first (cheap, and exact for the layouts the formats define) and falls back
-to the first bytes of a file: the HDF5 signature, a zip header (PyTorch >= 1.6), a pickle protocol
-byte (older PyTorch), or a safetensors header length followed by ``{`` (after any JSON whitespace).
+Every rule comes from the registry (:mod:`ckptconv.formats.registry`): a file's name (its
+``suffixes`` and ``index_suffixes``, the longest ending wins), its first bytes (each format's
+``sniff``: the HDF5 signature, a zip header or pickle protocol byte, a safetensors header length
+followed by ``{``), the names under a directory or prefix (``markers``, then ``sniff_names``), and a
+checkpoint named by a prefix of its files (``prefix_suffixes``: a TF bundle's ``.index``). When a
+file's name and bytes disagree, the bytes win if the named format has a sniff to check them with.
 """
 
 from __future__ import annotations
@@ -14,34 +17,19 @@ from ckptconv.core.errors import ObjectNotFound, UnknownFormat, UnsupportedForma
 from ckptconv.core.uri import normalize_uri
 from ckptconv.formats import FORMATS, source_class
 from ckptconv.formats.base import TensorSource
-from ckptconv.formats.safetensors_fmt import looks_like_header
+from ckptconv.formats.signatures import HEAD_BYTES
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 
-HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
-_SUFFIXES: list[tuple[str, str]] = [
-    (".safetensors.index.json", "safetensors"),
-    (".bin.index.json", "torch"),
-    (".safetensors", "safetensors"),
-    (".mdl", "cs-h5"),
-    (".h5", "cs-h5"),
-    (".hdf5", "cs-h5"),
-    (".bin", "torch"),
-    (".pt", "torch"),
-    (".pth", "torch"),
-    (".ckpt", "torch"),
-    (".index", "tf"),
-    (".metadata", "dcp"),
-]
+def _by_length(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Longest first: ``x.safetensors.index.json`` is an index before it is any ``.json``."""
+    return sorted(pairs, key=lambda p: -len(p[0]))
 
-# Inside a directory or prefix: the file that identifies a format, most specific first.
-_MARKERS: list[tuple[str, str]] = [
-    ("model.safetensors.index.json", "safetensors"),
-    ("pytorch_model.bin.index.json", "torch"),
-    ("__METADATA__", "cs-s3"),
-    (".metadata", "dcp"),
-]
+
+# (file-name ending, format) and (marker name, format), read from the registry.
+_SUFFIXES = _by_length([(suffix, f.name) for f in FORMATS.values() for suffix in f.names])
+_MARKERS = [(marker, f.name) for f in FORMATS.values() for marker in f.markers]
 
 
 def basename(uri: str) -> str:
@@ -66,11 +54,11 @@ def detect_source_format(storage: Storage, uri: str) -> str:
     """The format of the checkpoint at ``uri`` (a file, an index file, a directory or a prefix)."""
     if storage.exists(uri):
         by_name = format_from_name(uri)
-        head = storage.read_range(uri, 0, min(64, storage.stat(uri).size))
+        head = storage.read_range(uri, 0, min(HEAD_BYTES, storage.stat(uri).size))
         by_magic = _format_from_magic(head)
-        if by_magic and by_name and by_name != by_magic and by_name not in ("tf", "dcp"):
-            # A name can lie (a .bin that is safetensors); the bytes cannot. A TF index and a DCP
-            # .metadata name a whole checkpoint whose first file alone says little.
+        if by_magic and by_name and by_name != by_magic and FORMATS[by_name].sniff is not None:
+            # A name can lie (a .bin that is safetensors); the bytes cannot. A format without a
+            # sniff (a TF index, a DCP .metadata) names a whole checkpoint its first file says little of.
             return by_magic
         if by_name:
             return by_name
@@ -80,9 +68,10 @@ def detect_source_format(storage: Storage, uri: str) -> str:
     prefix = uri.rstrip("/") + "/"
     names = [info.uri[len(prefix) :] for info in storage.list(prefix)]
     if not names:
-        # A TF bundle is named by its prefix: <prefix>.index beside <prefix>.data-*
-        if storage.exists(uri + ".index"):
-            return "tf"
+        # A checkpoint named by its prefix: a TF bundle's <prefix>.index beside <prefix>.data-*
+        for f in FORMATS.values():
+            if any(storage.exists(uri + suffix) for suffix in f.prefix_suffixes):
+                return f.name
         raise ObjectNotFound(f"nothing at {uri}")
     top = [n for n in names if "/" not in n]
     for marker, fmt in _MARKERS:
@@ -91,8 +80,10 @@ def detect_source_format(storage: Storage, uri: str) -> str:
     kinds = {format_from_name(n) for n in top} - {None}
     if len(kinds) == 1:
         return kinds.pop()  # type: ignore[return-value]
-    if not kinds and any(n.endswith(".__metadata__") or "/" in n for n in names):
-        return "cs-s3"
+    if not kinds:
+        for f in FORMATS.values():
+            if f.sniff_names is not None and f.sniff_names(names):
+                return f.name
     raise UnsupportedFormat(
         f"cannot tell the format of the directory {uri} (found {', '.join(sorted(top)[:8])})",
         hint="point at the checkpoint file or its index file, or name the format with --from",
@@ -100,15 +91,7 @@ def detect_source_format(storage: Storage, uri: str) -> str:
 
 
 def _format_from_magic(head: bytes) -> str | None:
-    if head.startswith(HDF5_MAGIC):
-        return "cs-h5"
-    if head.startswith(b"PK\x03\x04"):
-        return "torch"
-    if head[:1] == b"\x80" and len(head) > 1 and head[1] in (2, 3, 4, 5):
-        return "torch"
-    if looks_like_header(head):
-        return "safetensors"
-    return None
+    return next((f.name for f in FORMATS.values() if f.sniff is not None and f.sniff(head)), None)
 
 
 def target_format_from_name(uri: str) -> str | None:

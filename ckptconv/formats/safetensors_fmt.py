@@ -48,6 +48,7 @@ from ckptconv.formats.base import (
     TensorSource,
     dtype_name,
 )
+from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.sharding import (
     RECORD_KEY,
     SAFETENSORS,
@@ -65,6 +66,7 @@ from ckptconv.formats.sharding import (
     resolve_link,
     tensor_view,
 )
+from ckptconv.formats.signatures import JSON_WHITESPACE, SAFETENSORS_MAX_HEADER
 from ckptconv.formats.tree import TreeSpec
 
 if TYPE_CHECKING:
@@ -92,9 +94,8 @@ ST_DTYPES: dict[str, str] = {
 _READ_ONLY = {"C64": "complex64"}
 DTYPES_FROM_ST = {**{v: k for k, v in ST_DTYPES.items()}, **_READ_ONLY}
 
-MAX_HEADER = 100 * 1000 * 1000  # the limit the safetensors library enforces
-JSON_WHITESPACE = b" \t\n\r"  # the only padding JSON allows around the header object
-_SUFFIXES = (".safetensors",)
+MAX_HEADER = SAFETENSORS_MAX_HEADER
+_SUFFIXES = FORMATS["safetensors"].suffixes
 
 
 # --- header ----------------------------------------------------------------------------------
@@ -114,21 +115,6 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"the key {k!r} appears twice")
         out[k] = v
     return out
-
-
-def looks_like_header(head: bytes) -> bool:
-    """Whether the first bytes of a file are a safetensors length prefix and the start of its header.
-
-    ``head`` holds at least 9 bytes; when all of the header it shows is whitespace padding, the
-    start cannot be seen and the answer is yes if the length is plausible.
-    """
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack("<Q", head[:8])
-    if not 2 <= n <= MAX_HEADER:
-        return False
-    shown = head[8 : 8 + n].lstrip(JSON_WHITESPACE)
-    return shown[:1] == b"{" or (not shown and len(head) - 8 < n)
 
 
 def _is_uint(x: Any) -> bool:
@@ -244,7 +230,7 @@ class SafetensorsSource(TensorSource):
 
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri)
-        self.path = find_checkpoint(storage, uri, SAFETENSORS, (".safetensors", ".safetensors.index.json"))
+        self.path = find_checkpoint(storage, uri, SAFETENSORS, FORMATS["safetensors"].names)
         self._local = LocalFiles(storage)
         self._files = [self.path]
         if self.path.endswith(".index.json"):

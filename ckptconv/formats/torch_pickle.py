@@ -51,6 +51,7 @@ from ckptconv.formats.base import (
     torch_dtype,
 )
 from ckptconv.formats.pickle_allowlist import STORAGE_OF_DTYPE, StorageRef, TensorRef, TorchDtype
+from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.restricted_pickle import load_stream
 from ckptconv.formats.sharding import (
     RECORD_KEY,
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
 
     from ckptconv.storage.base import Storage
 
-_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_SUFFIXES = FORMATS["torch"].suffixes
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a legacy (pre-1.6) torch.save file
 
 # --- reading ---------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ class TorchSource(TensorSource):
 
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri)
-        self.path = find_checkpoint(storage, uri, TORCH, (*_SUFFIXES, ".bin.index.json"))
+        self.path = find_checkpoint(storage, uri, TORCH, FORMATS["torch"].names)
         self._local = LocalFiles(storage)
         self._archives: dict[str, Archive] = {}
         self._refs: dict[str, tuple[str, Any]] = {}  # key -> (file uri, TensorRef | tensor | value)

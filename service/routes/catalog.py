@@ -13,18 +13,7 @@ router = APIRouter(prefix="/v1", tags=["catalog"])
 
 @router.get("/formats", response_model=FormatList, summary="Container formats")
 async def list_formats() -> FormatList:
-    return FormatList(
-        formats=[
-            {
-                "name": f.name,
-                "description": f.description,
-                "read": f.source is not None,
-                "write": f.sink is not None,
-                "suffixes": list(f.suffixes),
-            }
-            for f in FORMATS.values()
-        ]
-    )
+    return FormatList(formats=[f.describe() for f in FORMATS.values()])
 
 
 @router.get("/kinds", response_model=KindList, summary="Job kinds and their options")
