@@ -10,37 +10,17 @@ import argparse
 import json
 import sys
 
-from ckptconv.cli.models import MODEL_ONLY_OPTIONS, model_conversion_arguments
+from ckptconv.cli.kind_flags import add_kind_flags, dest, flag, flags_of, given_options, kind_options
+from ckptconv.cli.models import MODEL_FORM_FLAGS, model_conversion_arguments
 from ckptconv.cli.output import ProgressBar, human_size, print_result
+from ckptconv.cli.run_kind import plan_kind, run_command
 from ckptconv.core.errors import InvalidRequest
-
-DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "f16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "f32": "float32",
-    "float": "float32",
-    "fp64": "float64",
-    "f64": "float64",
-    "double": "float64",
-}
+from ckptconv.jobs import LocalSettings
 
 SHARD_BY_HELP = (
     "shard the TensorFlow output by weight names: one data file per glob pattern (repeat the flag; "
     "'*' also matches '/'), a last file for the rest, e.g. --shard-by 'layer_0/*' --shard-by 'layer_1/*'"
 )
-
-
-MEMORY_BUDGET_HELP = (
-    "memory the conversion may use (e.g. 4GB); at least twice the largest tensor plus 300 MB,"
-    " the rest reads ahead (default: that minimum)"
-)
-
-
-def dtype_arg(value: str) -> str:
-    return DTYPE_ALIASES.get(value.lower(), value.lower())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,16 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--to", dest="to", help="target format (cs-h5, safetensors, torch, tf, cs-s3)")
     p.add_argument("--from", dest="source_format", help="source format (default: detected)")
-    p.add_argument("--shard-size", help="split the output into shards of at most this size (e.g. 5GB, 500MiB)")
+    add_kind_flags(p, "convert")
     p.add_argument("--shard-by", action="append", metavar="GLOB", help=SHARD_BY_HELP)
-    p.add_argument("--dtype", type=dtype_arg, help="cast floating-point tensors (bf16, fp16, fp32, fp64)")
     p.add_argument("--no-verify", action="store_true", help="skip verification (not recommended)")
-    p.add_argument(
-        "--full-verify",
-        action="store_true",
-        help="re-read the whole output and compare every entry (default: compare hashes taken as read and as written)",
-    )
-    p.add_argument("--memory-budget", help=MEMORY_BUDGET_HELP)
     p.add_argument("--no-progress", "--no-progress-bar", action="store_true", help="no progress bar")
     p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -105,9 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source")
     p.add_argument("--to", required=True)
     p.add_argument("--from", dest="source_format")
-    p.add_argument("--shard-size")
-    p.add_argument("--dtype", type=dtype_arg)
-    p.add_argument("--memory-budget", help=MEMORY_BUDGET_HELP)
+    add_kind_flags(p, "convert")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("formats", help="list the container formats")
@@ -149,52 +120,47 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ckptconv.engine.convert import convert
-
-    if args.model or args.src_fmt or args.tgt_fmt:
+    model_form = given_options(args, "convert-model")
+    if {"model", "src_fmt", "tgt_fmt"} & set(model_form):
         return _convert_model_form(args)
     if args.target is None:
         raise InvalidRequest(
             "convert needs a target: convert SRC DST --to FORMAT",
             hint="for a model conversion give --model, --src-fmt and --tgt-fmt (see convert-model)",
         )
-    stray = [f"--{n.replace('_', '-')}" for n in MODEL_ONLY_OPTIONS if getattr(args, n) not in (None, False)]
+    stray = [flags_of("convert-model", n) for n in model_form]
+    stray += [f for f, d in MODEL_FORM_FLAGS.items() if getattr(args, d) not in (None, False)]
     if stray:
         raise InvalidRequest(
             f"{', '.join(stray)} belong to a model conversion",
             hint="add --model, --src-fmt and --tgt-fmt, or run convert-model",
         )
+    local = LocalSettings(
+        allow_incomplete=args.allow_incomplete or None, shard_by=args.shard_by, skip_verify=args.no_verify
+    )
     bar = ProgressBar(not args.no_progress)
     try:
-        result = convert(
+        result = run_command(
+            args,
+            "convert",
             args.source,
-            args.target,
-            to=args.to,
             source_format=args.source_format,
-            shard_size=args.shard_size,
-            shard_by=args.shard_by,
-            dtype=args.dtype,
+            target=args.target,
+            target_format=args.to,
+            local=local,
             progress=bar,
-            verify=False if args.no_verify else ("full" if args.full_verify else "hashes"),
-            allow_incomplete=args.allow_incomplete or None,
-            memory_budget=args.memory_budget,
         )
     finally:
         bar.close()
-    print_result(result.to_dict(), args.json)
+    print_result(result, args.json)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ckptconv.engine.convert import plan_conversion
-
-    view = plan_conversion(
-        args.source,
-        to=args.to,
-        source_format=args.source_format,
-        shard_size=args.shard_size,
-        dtype=args.dtype,
-        memory_budget=args.memory_budget,
+    options = kind_options(args, "convert")
+    # A plan reads only the source: of the target it needs the format, not a place.
+    view = plan_kind(
+        "convert", options, args.source, source_format=args.source_format, target="", target_format=args.to
     )
     json.dump(view, sys.stdout, indent=2)
     print()
@@ -219,7 +185,7 @@ def _convert_model_form(args: argparse.Namespace) -> int:
     """``convert --model M --src-fmt F --tgt-fmt G [--output-dir D] CKPT``: the model conversion."""
     from ckptconv.cli.models import output_dir_of, run_model_conversion
 
-    missing = [f"--{n.replace('_', '-')}" for n in ("model", "src_fmt", "tgt_fmt") if not getattr(args, n)]
+    missing = [flag(n) for n in ("model", "src_fmt", "tgt_fmt") if not getattr(args, dest("convert-model", n))]
     if missing:
         raise InvalidRequest(
             f"a model conversion needs {', '.join(missing)} too",
@@ -228,12 +194,12 @@ def _convert_model_form(args: argparse.Namespace) -> int:
     container = {
         "--to": args.to,
         "--from": args.source_format,
-        "--shard-size": args.shard_size,
-        "--dtype": args.dtype,
+        "--shard-by": args.shard_by,
         "--no-verify": args.no_verify,
         "--allow-incomplete": args.allow_incomplete,
     }
-    stray = [flag for flag, value in container.items() if value not in (None, False)]
+    stray = [flags_of("convert", n) for n in given_options(args, "convert")]
+    stray += [flag for flag, value in container.items() if value not in (None, False)]
     if stray:
         raise InvalidRequest(
             f"{', '.join(stray)} belong to a container conversion, not a model conversion",

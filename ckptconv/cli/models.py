@@ -12,10 +12,11 @@ import json
 import sys
 from typing import Any
 
+from ckptconv.cli.kind_flags import add_kind_flags, kind_options
 from ckptconv.cli.output import ProgressBar, print_result
+from ckptconv.cli.run_kind import run_kind
 from ckptconv.core.errors import InvalidRequest
-
-FORMAT_HELP = "hf, cs-X.Y (cs-1.6 ... cs-2.9), cs-auto (source: detect), cs-current (target: cs-2.9)"
+from ckptconv.jobs.convert_model import layout_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,43 +51,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_convert_config)
 
 
-# Options of a model conversion that a container conversion (`convert SRC DST --to F`) has not.
-MODEL_ONLY_OPTIONS = (
-    "config",
-    "output_dir",
-    "drop_unmatched_keys",
-    "export_safetensors",
-    "hf_shard_size",
-    "fold_lora",
-    "no_fold_mup",
-    "verify",
-    "dry_run",
-    "debug",
-)
+# Flags of a model conversion that are not options of the kind (what the command line does with it).
+MODEL_FORM_FLAGS = {"--output-dir": "output_dir", "--dry-run": "dry_run", "--debug": "debug"}
 
 
 def model_conversion_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
-    """The options of a model conversion, spelled as the Model Zoo's ``convert_checkpoint.py convert``
-    spells them; shared by ``convert-model`` and the model form of ``convert``."""
-    p.add_argument("--model", required=required, help="Model Zoo model name (see `ckptconv models`)")
-    p.add_argument("--src-fmt", required=required, help=f"source layout: {FORMAT_HELP}")
-    p.add_argument("--tgt-fmt", required=required, help=f"target layout: {FORMAT_HELP}")
-    p.add_argument(
-        "--config",
-        help="HF config.json or Cerebras YAML (default: config.json beside an HF input, "
-        "or the params recorded in a Cerebras checkpoint)",
-    )
+    """The options of a model conversion (the ``convert-model`` kind's), spelled as the Model Zoo's
+    ``convert_checkpoint.py convert`` spells them; shared by ``convert-model`` and the model form of
+    ``convert``."""
+    add_kind_flags(p, "convert-model", required=required)
     p.add_argument("--output-dir", help="output directory (default: beside the input)")
-    p.add_argument("--drop-unmatched-keys", action="store_true", help="drop keys no rule matches instead of failing")
-    p.add_argument("--export-safetensors", action="store_true", help="write safetensors shards for HF outputs")
-    p.add_argument("--hf-shard-size", help="largest HF output shard (default 10GB; GB/GiB/MB/...)")
-    p.add_argument("--fold-lora", action="store_true", help="fold LoRA adapters (lora_A/lora_B) into the weights")
-    p.add_argument("--no-fold-mup", action="store_true", help="refuse muP checkpoints instead of folding them")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="also run the appliance simulator on the result and compare logits with transformers",
-    )
     p.add_argument("--dry-run", action="store_true", help="print the plan (keys, recipes, config) and write nothing")
     p.add_argument("--debug", action="store_true", help="print each match (source recipe -> new key) before converting")
 
@@ -168,74 +142,36 @@ def cmd_convert_model(args: argparse.Namespace) -> int:
 
 
 def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> int:
-    options: dict[str, Any] = {
-        "model": args.model,
-        "src_fmt": args.src_fmt,
-        "tgt_fmt": args.tgt_fmt,
-        "config": args.config,
-        "drop_unmatched_keys": args.drop_unmatched_keys,
-        "fold_lora": args.fold_lora,
-        "fold_mup": not args.no_fold_mup,
-    }
+    options = kind_options(args, "convert-model")
     if args.dry_run or args.debug:
         from ckptconv.engine.layouts.api import open_model_source, plan_model
 
-        src = open_model_source(args.source, args.model, args.src_fmt)
+        src = open_model_source(args.source, options.model, options.src_fmt)
         try:
-            plan = plan_model(src, **options)
+            plan = plan_model(src, **layout_options(options))
             sizes = {e.key: e.nbytes for e in src.entries()}
         finally:
             src.close()
         if args.dry_run:
             json.dump(plan.to_dict(source_sizes=sizes), sys.stdout, indent=2, default=str)
             print()
-            return 2 if plan.unmatched and not args.drop_unmatched_keys else 0
+            return 2 if plan.unmatched and not options.drop_unmatched_keys else 0
         for step in plan.steps:  # the Model Zoo's --debug lists each match as "old -> new"
             print(f"{step.recipe} -> {step.out.key}", file=sys.stderr)
 
-    from ckptconv.engine.layouts.api import convert_model
-
     bar = ProgressBar(not args.no_progress)
     try:
-        result = convert_model(
-            args.source,
-            output_dir,
-            export_safetensors=args.export_safetensors,
-            **({"hf_shard_size": args.hf_shard_size} if args.hf_shard_size else {}),
-            progress=bar,
-            **options,
-        )
+        view = run_kind("convert-model", options, args.source, target=output_dir, progress=bar)
     finally:
         bar.close()
-    view = result.to_dict()
-    rc = 0
-    if args.verify:
-        view["simulator"] = _simulate(args, result)
-        rc = 0 if view["simulator"].get("passed") else 2
     print_result(view, args.json)
-    if args.verify and not args.json:
-        sim = view["simulator"]
+    if not options.verify:
+        return 0
+    sim = view["simulator"]
+    if not args.json:
         print(f"simulator: {sim.get('verdict')} (max |diff| {sim.get('max_abs_diff')}, ", end="")
         print(f"cosine {sim.get('cosine_similarity')})")
-    return rc
-
-
-def _simulate(args: argparse.Namespace, result: Any) -> dict[str, Any]:
-    """Compare the Hugging Face side with the simulator's model of the Cerebras side."""
-    import os
-
-    from ckptconv.engine.simulator.verify import verify
-
-    conv = (result.extras or {}).get("model_conversion") or {}
-    if conv.get("target_format") == "hf":
-        hf, cs_ckpt, cs_cfg = result.target, args.source, args.config
-    else:
-        configs = [o.uri for o in result.outputs if o.role == "config"]
-        hf, cs_ckpt, cs_cfg = args.source, result.target, configs[0] if configs else None
-    if cs_cfg is None:
-        return {"verdict": "skipped", "passed": False, "reason": "the Cerebras config is needed (--config)"}
-    hf_dir = hf if os.path.isdir(hf) else os.path.dirname(hf) or "."
-    return verify(hf_dir, cs_ckpt, cs_cfg, args.model)
+    return 0 if sim.get("passed") else 2
 
 
 def cmd_convert_config(args: argparse.Namespace) -> int:

@@ -7,6 +7,10 @@ import json
 import sys
 from typing import Any
 
+from ckptconv.cli.kind_flags import add_kind_flags
+from ckptconv.cli.run_kind import run_command
+from ckptconv.jobs import LocalSettings
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -18,24 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "in float32 and compares every output. Exit status 0 when within tolerance, 1 otherwise."
         ),
     )
-    p.add_argument(
-        "--hf", required=True, dest="hf_dir", help="local Hugging Face model directory (config.json + weights)"
-    )
     p.add_argument("--cs", required=True, dest="cs_ckpt", help="Cerebras checkpoint (.mdl, local path or s3://)")
-    p.add_argument("--cs-config", required=True, help="Cerebras YAML config (model: or trainer: layout)")
-    p.add_argument(
-        "--model", required=True, help="Model Zoo model name (e.g. llama, roberta, bert-qa); picks both classes"
-    )
-    p.add_argument("--tolerance", type=float, default=1e-5, help="maximum absolute logit difference (default 1e-5)")
-    p.add_argument("--rtol", type=float, default=0.0, help="add rtol * max|hf logit| to the tolerance (default 0)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0, help="seed of the input token ids")
-    p.add_argument(
-        "--non-strict",
-        action="store_true",
-        help="accept missing/extra checkpoint keys (disable_strict_checkpoint_loading)",
-    )
+    add_kind_flags(p, "verify")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.set_defaults(func=cmd_verify)
 
@@ -50,14 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--config", required=True, help="Cerebras YAML config (local path or s3://)")
-    p.add_argument("--model-dir", required=True, help="model directory (checkpoints_index.yaml lives here)")
-    p.add_argument("--steps", type=int, help="train until this global step (default: the config's max_steps)")
-    p.add_argument("--model", help="Model Zoo model name (default: the config's `name:`)")
-    p.add_argument("--checkpoint", dest="ckpt_path", help="checkpoint to start from (overrides autoload)")
-    p.add_argument("--checkpoint-steps", type=int, help="save every N steps (overrides the config)")
-    p.add_argument("--batch-size", type=int, help="samples per step (default: the config's, else 2)")
-    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the config's, else 16)")
-    p.add_argument("--seed", type=int, help="data and initialisation seed (default: the config's, else 0)")
+    add_kind_flags(p, "simulate")
     p.add_argument("--stop-after", type=int, help="stop after this many steps without the final save (a killed job)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.set_defaults(func=cmd_simulate)
@@ -69,20 +50,7 @@ def _print_json(result: dict[str, Any]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ckptconv.engine.simulator.verify import verify
-
-    result = verify(
-        args.hf_dir,
-        args.cs_ckpt,
-        args.cs_config,
-        args.model,
-        args.tolerance,
-        rtol=args.rtol,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        strict=not args.non_strict,
-    )
+    result = run_command(args, "verify", args.cs_ckpt)
     if args.json:
         _print_json(result)
     elif result["verdict"] == "skipped":
@@ -90,7 +58,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(f"model:    {result['model']} ({result['cs_class']} vs transformers {result['hf_class']})")
         print(f"inputs:   {result['inputs']}")
-        for name, o in result["outputs"].items():
+        for name, o in result["logits"].items():
             if "error" in o:
                 print(f"{name}: {o['error']}")
                 continue
@@ -107,20 +75,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from ckptconv.engine.simulator.trainer import simulate
-
-    result = simulate(
-        args.config,
-        args.model_dir,
-        args.steps,
-        model=args.model,
-        ckpt_path=args.ckpt_path,
-        checkpoint_steps=args.checkpoint_steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        stop_after=args.stop_after,
-    )
+    local = LocalSettings(stop_after=args.stop_after)
+    result = run_command(args, "simulate", args.config, local=local)
     if args.json:
         _print_json(result)
         return 0

@@ -28,6 +28,21 @@ from ckptconv.core.errors import InvalidRequest
 from ckptconv.jobs.kinds import JobKind, get_kind
 
 
+@dataclass(frozen=True)
+class LocalSettings:
+    """What a run on the caller's own machine (the command line) may add to a kind's options.
+
+    The service offers none of these: its jobs read only complete checkpoints, always verify, never
+    rewrite a source in place and always run to the end. A handler reads the ones that apply to it.
+    """
+
+    allow_incomplete: bool | None = None  # read a Cerebras H5 without __SUCCESS__
+    shard_by: list[str] | None = None  # TensorFlow outputs: one data file per glob of weight names
+    skip_verify: bool = False  # publish without comparing the output with the source
+    inplace: bool = False  # fix-spec: replace the source itself
+    stop_after: int | None = None  # simulate: stop after this many steps without the final save
+
+
 @dataclass
 class JobContext:
     job_id: str | None  # None for dry runs
@@ -38,6 +53,7 @@ class JobContext:
     labels: dict[str, str] = field(default_factory=dict)
     progress: Callable[[Any], None] = lambda _p: None  # takes ckptconv.engine.execute.Progress (or a dict)
     cancelled: Callable[[], bool] = lambda: False
+    local: LocalSettings = field(default_factory=LocalSettings)
 
 
 def context_from_request(doc: dict[str, Any], job_id: str | None = None, **callbacks: Any) -> JobContext:

@@ -24,8 +24,8 @@ def _target(ctx: JobContext) -> tuple[str | None, bool]:
     return ctx.target["uri"], safetensors or fmt == "safetensors"
 
 
-def _options(ctx: JobContext) -> dict[str, Any]:
-    o = ctx.options
+def layout_options(o: Any) -> dict[str, Any]:
+    """The keyword arguments of the engine's model conversion and plan, from the kind's options."""
     return {
         "model": o.model,
         "src_fmt": o.src_fmt,
@@ -49,7 +49,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         progress=ctx.progress,
         cancelled=ctx.cancelled,
         job_id=ctx.job_id,
-        **_options(ctx),
+        **layout_options(ctx.options),
     )
     doc = result.to_dict()
     if ctx.options.verify:
@@ -87,7 +87,7 @@ def plan(ctx: JobContext) -> dict[str, Any]:
     o = ctx.options
     src = open_model_source(ctx.source["uri"], o.model, o.src_fmt, ctx.source.get("format"))
     try:
-        p = plan_model(src, **_options(ctx))
+        p = plan_model(src, **layout_options(ctx.options))
         doc = p.to_dict(source_sizes={e.key: e.nbytes for e in src.entries()}, limit=1000)
         doc["target"] = planned_target(src, p, ctx.options.config, out_dir)
     finally:

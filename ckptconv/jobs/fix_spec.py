@@ -20,7 +20,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     from ckptconv.engine.legacy.fix_spec import fix_checkpoint_spec
 
     report_stage(ctx, "repairing")
-    report = fix_checkpoint_spec(ctx.source["uri"], _output(ctx))
+    report = fix_checkpoint_spec(ctx.source["uri"], _output(ctx), inplace=ctx.local.inplace)
     return {
         **report.to_dict(),
         "outputs": describe_outputs([report.output], role="data"),

@@ -177,8 +177,13 @@ class ConvertModelOptions(KindOptions):
     model: str = Field(
         min_length=1, max_length=64, description="Model Zoo model name (GET /v1/models)", examples=["llama"]
     )
-    src_fmt: ModelLayout = Field(description="hf, cs-X.Y or cs-auto", examples=["hf"])
-    tgt_fmt: ModelLayout = Field(description="hf, cs-X.Y or cs-current", examples=["cs-2.9"])
+    src_fmt: ModelLayout = Field(
+        description="source layout: hf, cs-X.Y (cs-1.6 ... cs-2.9) or cs-auto (the release the checkpoint records)",
+        examples=["hf"],
+    )
+    tgt_fmt: ModelLayout = Field(
+        description="target layout: hf, cs-X.Y or cs-current (the newest release)", examples=["cs-2.9"]
+    )
     config: StorageUri | None = Field(
         default=None,
         description="HF config.json or Cerebras YAML; default: config.json beside an HF source, or the params "
@@ -188,7 +193,9 @@ class ConvertModelOptions(KindOptions):
     export_safetensors: bool = Field(default=False, description="HF outputs as safetensors instead of .bin")
     hf_shard_size: Size | None = Field(default="10GB", description="largest HF output shard")
     fold_lora: bool = Field(default=False, description="fold LoRA adapters into their base weights")
-    fold_mup: bool = Field(default=True, description="fold muP into standard parametrization on export")
+    fold_mup: bool = Field(
+        default=True, description="fold muP into standard parametrization on export (off: refuse muP checkpoints)"
+    )
     verify: bool = Field(
         default=False,
         description="also compare logits of the Hugging Face side and the simulator's model of the Cerebras side; "
@@ -253,8 +260,8 @@ class VerifyOptions(KindOptions):
     model: ModelName = Field(examples=["llama"])
     tolerance: float = Field(default=1e-5, ge=0, description="largest accepted absolute logit difference")
     rtol: float = Field(default=0.0, ge=0, description="adds rtol * max|hf logit| to the tolerance")
-    batch_size: int = Field(default=2, gt=0, le=64)
-    seq_len: int = Field(default=16, gt=0, le=4096)
+    batch_size: int = Field(default=2, gt=0, le=64, description="inputs per forward pass")
+    seq_len: int = Field(default=16, gt=0, le=4096, description="tokens per input")
     seed: int = Field(default=0, ge=0, description="seed of the input token ids")
     strict: bool = Field(default=True, description="every model key must be in the checkpoint and vice versa")
     fail_on_mismatch: bool = Field(default=True, description="a failing verdict fails the job")
@@ -274,13 +281,21 @@ class SimulateOptions(KindOptions):
     """
 
     model_dir: StorageUri = Field(description="model directory the checkpoints are written to")
-    steps: int | None = Field(default=None, gt=0, le=100_000, description="train until this global step")
-    model: ModelName | None = Field(default=None, description="default: the config's name")
+    steps: int | None = Field(
+        default=None, gt=0, le=100_000, description="train until this global step (default: the config's max_steps)"
+    )
+    model: ModelName | None = Field(default=None, description="Model Zoo model name (default: the config's name)")
     checkpoint: StorageUri | None = Field(default=None, description="checkpoint to start from (overrides autoload)")
     checkpoint_steps: int | None = Field(default=None, gt=0, description="save every N steps (overrides the config)")
-    batch_size: int | None = Field(default=None, gt=0, le=64)
-    seq_len: int | None = Field(default=None, gt=0, le=4096)
-    seed: int | None = Field(default=None, ge=0)
+    batch_size: int | None = Field(
+        default=None, gt=0, le=64, description="samples per step (default: the config's, else 2)"
+    )
+    seq_len: int | None = Field(
+        default=None, gt=0, le=4096, description="tokens per sample (default: the config's, else 16)"
+    )
+    seed: int | None = Field(
+        default=None, ge=0, description="data and initialisation seed (default: the config's, else 0)"
+    )
 
     @field_validator("model")
     @classmethod
@@ -306,6 +321,10 @@ class DataloaderStateOptions(KindOptions):
     ``data_iter_state_file_worker_*`` files); the output is verified and published atomically.
     """
 
-    iter_dir: StorageUri = Field(description="directory holding the 1.9 data-iterator state files")
-    dataloader_type: Literal["map", "iterable"] = Field(default="map")
+    iter_dir: StorageUri = Field(
+        description="the directory cerebras.save_iter_state_path named (data_iter_state_file_worker_*.txt)"
+    )
+    dataloader_type: Literal["map", "iterable"] = Field(
+        default="map", description="map-style (e.g. GptHDF5MapDataProcessor) or iterable (e.g. GptHDF5DataProcessor)"
+    )
     shuffle_seed: int = Field(default=0, ge=0, description="shuffle seed of a map-style loader")

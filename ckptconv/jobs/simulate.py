@@ -22,6 +22,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         batch_size=o.batch_size,
         seq_len=o.seq_len,
         seed=o.seed,
+        stop_after=ctx.local.stop_after,
         on_step=lambda step, start, end: ctx.progress(_step_progress(step, start, end)),
         cancelled=ctx.cancelled,
     )

@@ -31,7 +31,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     # The two forward passes cannot be interrupted; a cancel that arrived meanwhile still wins.
     if ctx.cancelled():
         raise Cancelled("cancelled by request")
-    if not result["passed"] and o.fail_on_mismatch:
+    # A model the simulator does not build is "skipped": not a mismatch, so never a failed job.
+    if result["verdict"] == "fail" and o.fail_on_mismatch:
         raise LogitMismatch(
             f"{result['model']}: max |diff| {result['max_abs_diff']:.3e} exceeds tolerance {result['tolerance']:g}"
             f" (cosine {result['cosine_similarity']:.9f})",
@@ -39,5 +40,6 @@ def run(ctx: JobContext) -> dict[str, Any]:
             logits=result["outputs"],
         )
     # ``outputs`` of a job result lists files; the per-output comparisons are recorded as ``logits``.
-    comparisons = result.pop("outputs")
-    return {**result, "logits": comparisons, "outputs": [], "warnings": [] if result["passed"] else ["verdict: fail"]}
+    comparisons = result.pop("outputs", {})
+    warnings = [] if result["passed"] else [f"verdict: {result['verdict']}"]
+    return {**result, "logits": comparisons, "outputs": [], "warnings": warnings}

@@ -1,0 +1,100 @@
+"""The command line's job commands are generated from the kinds' options models: every option has a
+flag, every default is the model's, and an option added to a model is a flag without more code."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Literal
+
+import pytest
+from pydantic import Field
+
+from ckptconv.cli.kind_flags import ALIASES, add_kind_flags, dest, flags_of, kind_options
+from ckptconv.cli.main import build_parser, main
+from ckptconv.core.errors import InvalidRequest
+from ckptconv.jobs.kinds import KINDS, KindOptions, Size, job_kind
+
+# Each kind's command, with the least it needs to parse (its required options get stand-in values).
+COMMANDS = {
+    "convert": ["convert", "src", "dst"],
+    "convert-model": ["convert-model", "src", "--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9"],
+    "verify": ["verify", "--cs", "c.mdl", "--hf", "hf/", "--config", "c.yaml", "--model", "llama"],
+    "simulate": ["simulate", "--config", "c.yaml", "--model-dir", "run/"],
+    "fix-spec": ["fix-spec", "old.mdl"],
+    "dataloader-state": ["convert-dataloader-state", "-c", "c.mdl", "-w", "iter/", "-o", "out.mdl"],
+}
+
+
+def _option_strings(argv: list[str]) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {s for action in sub.choices[argv[0]]._actions for s in action.option_strings}
+
+
+def test_every_kind_has_a_command() -> None:
+    assert set(COMMANDS) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind_name", sorted(COMMANDS))
+def test_every_option_has_a_flag_and_the_models_default(kind_name: str) -> None:
+    argv = COMMANDS[kind_name]
+    args = build_parser().parse_args(argv)
+    offered = _option_strings(argv)
+    model = KINDS[kind_name].options
+    for option, info in model.model_fields.items():
+        alias = ALIASES.get((kind_name, option))
+        if alias is not None and alias.fixed:
+            continue  # set by the command itself, named in the one table of exceptions
+        for name in flags_of(kind_name, option).split("/"):
+            assert name in offered, f"{kind_name}.{option}: no flag {name} on `ckptconv {argv[0]}`"
+        if not info.is_required():
+            assert getattr(args, dest(kind_name, option)) == info.default, f"{kind_name}.{option}: default differs"
+    # The options the command runs with are the model's own defaults where nothing was given.
+    options = kind_options(args, kind_name)
+    for option, info in model.model_fields.items():
+        alias = ALIASES.get((kind_name, option))
+        if not info.is_required() and not (alias and alias.fixed):
+            assert getattr(options, option) == info.default
+
+
+def test_an_option_added_to_a_model_is_a_flag() -> None:
+    @job_kind("cli-kinds-probe")
+    class ProbeOptions(KindOptions):
+        """A kind that exists only in this test."""
+
+        parallelism: int | None = Field(default=None, gt=0, le=64, description="tensors written at once")
+        mode: Literal["fast", "careful"] = Field(default="careful", description="how to go")
+        fold: bool = Field(default=True, description="fold things")
+        chunk: Size | None = Field(default="1GB", description="largest chunk")
+
+    try:
+        parser = argparse.ArgumentParser(prog="probe")
+        add_kind_flags(parser, "cli-kinds-probe")
+        defaults = parser.parse_args([])
+        assert getattr(defaults, dest("cli-kinds-probe", "chunk")) == "1GB"
+        assert getattr(defaults, dest("cli-kinds-probe", "fold")) is True
+        given = parser.parse_args(["--parallelism", "4", "--mode", "fast", "--no-fold", "--chunk", "5MB"])
+        assert kind_options(given, "cli-kinds-probe") == ProbeOptions(
+            parallelism=4, mode="fast", fold=False, chunk="5MB"
+        )
+        text = parser.format_help()
+        assert "tensors written at once (> 0, <= 64)" in text and "{fast,careful}" in text
+        # Values are checked by the model: one typed error naming the flag.
+        for bad, flag in ((["--parallelism", "0"], "--parallelism"), (["--mode", "slow"], "--mode")):
+            with pytest.raises(InvalidRequest, match=flag):
+                kind_options(parser.parse_args(bad), "cli-kinds-probe")
+    finally:
+        del KINDS["cli-kinds-probe"]
+
+
+def test_a_value_the_model_refuses_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*COMMANDS["verify"], "--batch-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "[invalid_request]" in err and "--batch-size: Input should be greater than 0" in err
+    assert main([*COMMANDS["convert"], "--to", "safetensors", "--dtype", "int8"]) == 2
+    assert "--dtype: Input should be" in capsys.readouterr().err
+
+
+def test_dtype_shorthands_are_the_models_values() -> None:
+    args = build_parser().parse_args([*COMMANDS["convert"], "--dtype", "BF16"])
+    assert kind_options(args, "convert").dtype == "bfloat16"
