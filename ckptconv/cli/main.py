@@ -61,7 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptconv: interrupted; nothing was published", file=sys.stderr)
         return 130
-    except Exception as e:
+    except BrokenPipeError:
+        # The reader went away (`ckptconv models | head`): stop quietly, as other command-line tools do;
+        # stdout is pointed at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as e:  # after BrokenPipeError, which is an answer too
         # Exit 1 is an answer for some commands (`diff`: the checkpoints differ), so an unexpected
         # exception gets its own status and one typed line instead of Python's traceback and 1.
         print(f"ckptconv: error [internal_error]: {type(e).__name__}: {e}", file=sys.stderr)
@@ -72,11 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("CKPTCONV_TRACEBACK"):
             traceback.print_exc()
         return EXIT_INTERNAL_ERROR
-    except BrokenPipeError:
-        # The reader went away (`ckptconv models | head`): stop quietly, as other command-line tools do;
-        # stdout is pointed at /dev/null so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
     return int(rc or 0)
 
 
