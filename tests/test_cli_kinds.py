@@ -98,3 +98,39 @@ def test_a_value_the_model_refuses_is_one_error_line(capsys: pytest.CaptureFixtu
 def test_dtype_shorthands_are_the_models_values() -> None:
     args = build_parser().parse_args([*COMMANDS["convert"], "--dtype", "BF16"])
     assert kind_options(args, "convert").dtype == "bfloat16"
+
+
+def test_the_engines_python_defaults_are_the_kinds() -> None:
+    # The engine's functions are a Python API of their own (`ckptconv.convert_model(...)`), below the
+    # kinds, so they keep their defaults; this keeps them equal to the options models'.
+    import inspect
+
+    from ckptconv.engine.convert import convert
+    from ckptconv.engine.layouts.api import convert_model
+    from ckptconv.engine.legacy.dataloader_state import convert_dataloader_state
+    from ckptconv.engine.run import verify_mode
+    from ckptconv.engine.simulator.trainer import simulate
+    from ckptconv.engine.simulator.verify import verify
+
+    engine = {
+        "convert": convert,
+        "convert-model": convert_model,
+        "verify": verify,
+        "simulate": simulate,
+        "dataloader-state": convert_dataloader_state,
+    }
+    renamed = {("simulate", "checkpoint"): "ckpt_path"}
+    other_meaning = {("convert-model", "verify")}  # the engine's `verify` there is the container check
+    compared = 0
+    for kind_name, function in engine.items():
+        params = inspect.signature(function).parameters
+        for option, info in KINDS[kind_name].options.model_fields.items():
+            name = renamed.get((kind_name, option), option)
+            if name not in params or (kind_name, option) in other_meaning or info.is_required():
+                continue
+            default = params[name].default
+            if (kind_name, option) == ("convert", "verify"):
+                default = verify_mode(default)
+            assert default == info.default, f"{kind_name}.{option}: engine {default!r}, model {info.default!r}"
+            compared += 1
+    assert compared >= 20
