@@ -102,5 +102,7 @@ def test_wheel_ships_the_layout_tables(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("ckptconv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tables = sorted(p.name for p in (ROOT / "ckptconv" / "engine" / "layouts" / "families").glob("*.yaml"))
-    shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("ckptconv/engine/layouts/families/"))
+    shipped = sorted(
+        n.rsplit("/", 1)[1] for n in names if n.startswith("ckptconv/engine/layouts/families/") and n.endswith(".yaml")
+    )
     assert tables and shipped == tables

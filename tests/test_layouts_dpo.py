@@ -1,4 +1,5 @@
-"""DPO checkpoints: hf <-> cs-X.Y-dpo and cs-2.1-no-dpo <-> cs-2.1-dpo (ckptconv.engine.layouts.dpo)."""
+"""DPO checkpoints: hf <-> cs-X.Y-dpo and cs-2.1-no-dpo <-> cs-2.1-dpo (families/dpo.yaml and
+ckptconv.engine.layouts.families.dpo)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DPR: two Hugging Face encoder directories <-> one Cerebras checkpoint (ckptconv.engine.layouts.dpr)."""
+"""DPR: two Hugging Face encoder directories <-> one Cerebras checkpoint (families/dpr.yaml and
+ckptconv.engine.layouts.families.dpr)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """LLaVA (CLIP tower + projector + Llama, two HF directories <-> one CS checkpoint) and the
-CLIP-ViT table it uses (ckptconv.engine.layouts.llava, families/clip_vit.yaml).
+CLIP-ViT table it uses (families/llava.yaml with ckptconv.engine.layouts.families.llava,
+families/clip_vit.yaml).
 
 The reference model is transformers' own ``LlavaForConditionalGeneration``: its weights are laid
 out as the original LLaVA release does (``image_model/`` + ``text_model/`` with

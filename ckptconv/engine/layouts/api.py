@@ -26,8 +26,10 @@ from ckptconv.engine.cs_yaml import dump_cs_yaml
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import dump_hf_json, find_hf_config, load_config
 from ckptconv.engine.layouts.config_plan import ConfigResult
-from ckptconv.engine.layouts.models import COMPOSITES, build_plan, convert_config_dict
+from ckptconv.engine.layouts.family import COMPOSITE
+from ckptconv.engine.layouts.models import build_plan, convert_config_dict, planner_of
 from ckptconv.engine.layouts.planner import Request
+from ckptconv.engine.layouts.registry import model_table
 from ckptconv.engine.layouts.upgrades import parse_model_format
 from ckptconv.engine.plan import Plan
 
@@ -127,12 +129,13 @@ def open_model_source(uri: str, model: str | None = None, src_fmt: str | None = 
     from ckptconv.core.uri import normalize_uri
     from ckptconv.formats.detect import open_source
 
-    if model in COMPOSITES and src_fmt == "hf":
+    table = model_table(model) if model is not None else None
+    if table is not None and table.kind == COMPOSITE and src_fmt == "hf":
         from ckptconv.formats.components import ComponentSource
         from ckptconv.storage import open_storage
 
         uri = normalize_uri(uri)
-        return ComponentSource(open_storage(uri), uri, COMPOSITES[model].COMPONENTS)
+        return ComponentSource(open_storage(uri), uri, table.components)
     return open_source(uri, fmt)
 
 
@@ -249,7 +252,9 @@ def convert_model(
         if components:  # several model directories in one output (DPR's encoders, LLaVA's parts)
             from ckptconv.formats.components import ComponentSink, ComponentSource
 
-            extra_files = COMPOSITES[model].hf_config_files(plan, posixpath.dirname(cfg_rel), target)
+            found = planner_of(model)
+            assert found is not None  # only a composite model's plan has components
+            extra_files = found[1].hf_config_files(plan, posixpath.dirname(cfg_rel), target)
             sink_factory = functools.partial(ComponentSink, fmt=to, routes=components)
             reopen = functools.partial(ComponentSource, names=[name for name, _ in components])
         result = run_plan(

@@ -11,8 +11,8 @@ A family table's ``config:`` section is data:
   ``import_consts`` names those also written on import (``all`` for every one);
 - ``import_sets`` / ``export_sets``: fixed keys written on import / export;
 - ``hooks``: names of the few conversions a table cannot say (GQA, rope scaling, ...), each a pair
-  of small functions in :mod:`~ckptconv.engine.layouts.hooks` (several families) or
-  :mod:`~ckptconv.engine.layouts.family_hooks` (one family).
+  of small functions in :mod:`~ckptconv.engine.layouts.hooks` (several families) or in
+  ``families/<family>.py`` beside the one table that uses it.
 
 The exact key sets written by each direction follow the Model Zoo converters (reference §4) so a
 converted config is what Model Zoo users expect, except where noted in the family tables.
@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptconv.core.errors import ConfigConversionError
 from ckptconv.core.releases import release_key
-from ckptconv.engine.layouts import family_hooks  # noqa: F401  (registers the one-family hooks)
+from ckptconv.engine.layouts import families  # noqa: F401  (registers the hooks beside the family tables)
 from ckptconv.engine.layouts.config_table import ConfigTable, Field
 from ckptconv.engine.layouts.dictpath import MISSING, fill_defaults, get_path, set_path
 from ckptconv.engine.layouts.hooks import HOOKS, Ctx, Hook, fail

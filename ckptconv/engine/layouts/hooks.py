@@ -2,7 +2,8 @@
 
 A table names its hooks (``hooks: [gqa, rope_scaling]``); each is a pair of small functions,
 ``to_cs(hf, cs, ctx)`` and ``to_hf(cs, hf, ctx)``, registered with :func:`hook`. The hooks here serve
-several families; those of one family only live in :mod:`ckptconv.engine.layouts.family_hooks`.
+several families; a hook of one family only sits beside that family's table, in
+``families/<family>.py``.
 """
 
 from __future__ import annotations
@@ -301,3 +302,54 @@ class _SquareImage:
             if len(v) != 2 or v[0] != v[1]:
                 raise fail(f"Can't convert config with {key}={v!r}. Image width and height need to match.", key=key)
             hf[key] = int(v[0])
+
+
+@hook("gpt2_filter_size")
+class _Gpt2Filter:
+    """n_inner (null means 4 x n_embd) <-> filter_size; export always writes n_inner explicitly."""
+
+    reads = ("n_inner", "n_embd")
+
+    @staticmethod
+    def to_cs(hf: dict[str, Any], cs: dict[str, Any], ctx: Ctx) -> None:
+        n_inner = hf.get("n_inner")
+        cs["filter_size"] = int(n_inner) if n_inner is not None else 4 * int(hf["n_embd"])
+
+    @staticmethod
+    def to_hf(cs: dict[str, Any], hf: dict[str, Any], ctx: Ctx) -> None:
+        if "filter_size" in cs:
+            hf["n_inner"] = cs["filter_size"]
+
+
+@hook("gpt2_dropouts")
+class _Gpt2Dropouts:
+    """Absent embedding / attention dropouts default to dropout_rate on export."""
+
+    @staticmethod
+    def to_cs(hf: dict[str, Any], cs: dict[str, Any], ctx: Ctx) -> None:
+        return None
+
+    @staticmethod
+    def to_hf(cs: dict[str, Any], hf: dict[str, Any], ctx: Ctx) -> None:
+        if "dropout_rate" in cs:
+            hf.setdefault("embd_pdrop", cs["dropout_rate"])
+            hf.setdefault("attn_pdrop", cs["dropout_rate"])
+
+
+@hook("gptj_rotary_flag")
+class _GptjRotary:
+    """CS position_embedding_type (if stated) must be rotary; GPT-J exports it as HF `rotary: true`."""
+
+    @staticmethod
+    def to_cs(hf: dict[str, Any], cs: dict[str, Any], ctx: Ctx) -> None:
+        return None
+
+    @staticmethod
+    def to_hf(cs: dict[str, Any], hf: dict[str, Any], ctx: Ctx) -> None:
+        pe = cs.get("position_embedding_type")
+        if pe is None:
+            return
+        if pe != "rotary":
+            raise fail(f"Can't convert config with position_embedding_type={pe!r}. Only 'rotary' is supported.")
+        if ctx.param("export_rotary_flag", True):
+            hf["rotary"] = True

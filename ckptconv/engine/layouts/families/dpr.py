@@ -32,13 +32,16 @@ from ckptconv.engine.layouts.composite import (
 from ckptconv.engine.layouts.config_files import dump_hf_json
 from ckptconv.engine.layouts.config_plan import ConfigResult
 from ckptconv.engine.layouts.planner import Request
+from ckptconv.engine.layouts.registry import model_tables
 from ckptconv.engine.layouts.source_info import metadata_params
 from ckptconv.engine.plan import Plan
 from ckptconv.formats.base import TensorSource
 from ckptconv.formats.tree import flat_dict_spec, wrap_spec
 
 MODEL_NAME = "dpr"
-FIRST_RELEASE = "2.2"
+# What this module reads from its table (dpr.yaml beside it).
+TABLE = model_tables()[MODEL_NAME]
+FIRST_RELEASE = TABLE.first_release
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,9 @@ class Encoder:
     architecture: str
 
 
-ENCODERS = (
-    Encoder("q_encoder", "question_encoder.bert_model.", "question_encoder.", "DPRQuestionEncoder"),
-    Encoder("ctx_encoder", "ctx_encoder.bert_model.", "ctx_encoder.", "DPRContextEncoder"),
-)
-COMPONENTS = [e.directory for e in ENCODERS]
+ENCODERS = tuple(Encoder(p.name, p.hf_route, p.cs_prefix.removeprefix("model."), p.hf_class) for p in TABLE.parts)
+COMPONENTS = TABLE.components
+ENCODER_FAMILY = "bert"  # the table converting each encoder (every part of dpr.yaml names it)
 # Model section fields of a DPR run besides the two encoders (Model Zoo defaults per release).
 RETRIEVAL_DEFAULTS = {
     "2.2": {"scale_similarity": False},
@@ -67,11 +68,6 @@ RETRIEVAL_DEFAULTS = {
 }
 BERT_HF = "bert."
 BERT_CS = "model.bert_encoder."
-
-
-def routes() -> list[tuple[str, str]]:
-    """``(sub-directory, key prefix)`` of each encoder on the Hugging Face side."""
-    return [(e.directory, e.hf_prefix) for e in ENCODERS]
 
 
 def _retrieval_defaults(release: str) -> dict[str, Any]:
@@ -100,7 +96,7 @@ def _dpr_hf_config(bert_hf: Mapping[str, Any], e: Encoder) -> dict[str, Any]:
     }
 
 
-def build_dpr_plan(
+def build_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a DPR conversion (see the module docstring)."""
@@ -148,10 +144,10 @@ def build_dpr_plan(
         parts.drop_outside_model(source)
         result = parts.plan(source, None, model=MODEL_NAME, strict=strict, drop=req.drop_unmatched_keys)
         conf_out = ConfigResult(hf_configs, {}, {}, [], [])
-        result.extras["components"] = routes()
+        result.extras["components"] = TABLE.routes()
     result.config = conf_out.target
     result.extras.update(
-        {"model": MODEL_NAME, "family": "bert", "source_format": src, "target_format": tgt, "path": [src, tgt]}
+        {"model": MODEL_NAME, "family": ENCODER_FAMILY, "source_format": src, "target_format": tgt, "path": [src, tgt]}
     )
     return result, conf_out
 
@@ -162,7 +158,7 @@ def _about_heads(warning: str) -> bool:
 
 
 def _bert(req: Request) -> Request:
-    return replace(req, model="bert")
+    return replace(req, model=ENCODER_FAMILY)
 
 
 def _from_hf(key: str, e: Encoder) -> str | None:

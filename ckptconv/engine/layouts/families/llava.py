@@ -42,6 +42,7 @@ from ckptconv.engine.layouts.composite import (
 from ckptconv.engine.layouts.config_files import dump_hf_json
 from ckptconv.engine.layouts.config_plan import ConfigResult
 from ckptconv.engine.layouts.planner import Request
+from ckptconv.engine.layouts.registry import model_tables
 from ckptconv.engine.layouts.source_info import metadata_params
 from ckptconv.engine.layouts.transforms import TRANSFORMS
 from ckptconv.engine.plan import IDENTITY, Plan, Step, Transform
@@ -49,14 +50,17 @@ from ckptconv.formats.base import Entry, TensorSource
 from ckptconv.formats.tree import flat_dict_spec, wrap_spec
 
 MODEL_NAME = "llava"
-FIRST_RELEASE = "2.2"
-IMAGE, TEXT = "image_model", "text_model"
-COMPONENTS = [IMAGE, TEXT]
-# Hugging Face keys of the vision tower start with ``vision_model.``; everything else is the LM's.
-ROUTES = [(IMAGE, "vision_model."), (TEXT, "")]
-IMAGE_FAMILY, TEXT_FAMILY = "clip-vit", "llama"
+# What this module reads from its table (llava.yaml beside it): the parts, their families and routes.
+TABLE = model_tables()[MODEL_NAME]
+FIRST_RELEASE = TABLE.first_release
+IMAGE, TEXT = TABLE.components  # the vision tower, the language model
+COMPONENTS = TABLE.components
+ROUTES = TABLE.routes()
+IMAGE_FAMILY, TEXT_FAMILY = (p.family for p in TABLE.parts)
+# The prefix each part's family table keys the part's Cerebras keys with.
+_FAMILY_CS_PREFIX = {IMAGE: "model.vit_model.", TEXT: "model."}
 # (part, its family table, the prefix that table keys the part's Cerebras keys with)
-PARTS = ((IMAGE, IMAGE_FAMILY, "model.vit_model."), (TEXT, TEXT_FAMILY, "model."))
+PARTS = tuple((p.name, p.family, _FAMILY_CS_PREFIX[p.name]) for p in TABLE.parts)
 PROJECTOR_HF = re.compile(r"model\.mm_projector\.(\d+)\.(weight|bias)")
 PROJECTOR_CS = re.compile(r"model\.projector_image_model\.ffn\.(\d+)\.linear_layer\.(weight|bias)")
 PROJECTOR_TYPE = re.compile(r"mlp(\d+)x_gelu")
@@ -285,7 +289,7 @@ def _projector_init_steps(projector: Mapping[str, Any], anchor: Entry) -> list[S
     return steps
 
 
-def build_llava_plan(
+def build_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a LLaVA conversion (see the module docstring)."""
@@ -355,7 +359,7 @@ def build_llava_plan(
         conf_out = ConfigResult(hf_configs, {}, {}, [], [])
     plan.config = conf_out.target
     plan.extras.update(
-        {"model": MODEL_NAME, "family": "llama", "source_format": src, "target_format": tgt, "path": [src, tgt]}
+        {"model": MODEL_NAME, "family": TEXT_FAMILY, "source_format": src, "target_format": tgt, "path": [src, tgt]}
     )
     return plan, conf_out
 

@@ -30,7 +30,7 @@ from ckptconv.engine.cs_yaml import model_section, replace_model_section
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_plan import ConfigResult, convert_family_config
 from ckptconv.engine.layouts.planner import Request, build_family_plan
-from ckptconv.engine.layouts.registry import resolve
+from ckptconv.engine.layouts.registry import model_tables, resolve
 from ckptconv.engine.layouts.source_info import metadata_params
 from ckptconv.engine.layouts.upgrades import split_format
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs, replace_model_spec
@@ -39,13 +39,16 @@ from ckptconv.formats.base import Entry, TensorSource
 from ckptconv.formats.tree import flat_dict_spec
 
 MODEL_NAME = "dpo"
-POLICY = "policy_model.model."
-REFERENCE = "ref_model.model."
-DPO_DEFAULTS = {"beta": 0.1, "reference_free": False}
+# What this module reads from its table (dpo.yaml beside it).
+TABLE = model_tables()[MODEL_NAME]
+POLICY = str(TABLE.raw["prefixes"]["policy"])
+REFERENCE = str(TABLE.raw["prefixes"]["reference"])
+DPO_DEFAULTS = dict(TABLE.raw["config_add"]["dpo"])
 # Language models the Model Zoo trains with DPO that have a family here.
-BASE_MODELS = ("bloom", "falcon", "gpt2", "gptj", "gpt-neox", "llama", "mistral", "mpt", "santacoder", "starcoder")
-HF_MODEL_TYPES = {"gpt_neox": "gpt-neox", "gpt_bigcode": "starcoder"}
-NO_DPO_RELEASE = "2.1"
+BASE_MODELS = tuple(TABLE.raw["wraps"])
+HF_MODEL_TYPES = dict(TABLE.raw["hf_model_types"])
+NO_DPO_RELEASE = str(TABLE.raw["plain_release"])
+FIRST_RELEASE = TABLE.first_release
 
 # --- configs ----------------------------------------------------------------------------------
 
@@ -98,7 +101,7 @@ def strip_dpo_config(doc: Mapping[str, Any]) -> dict[str, Any]:
     return replace_model_section(doc, model)
 
 
-def convert_dpo_config(doc: Mapping[str, Any], *, src_fmt: str, tgt_fmt: str) -> ConfigResult:
+def convert_config(doc: Mapping[str, Any], *, src_fmt: str, tgt_fmt: str) -> ConfigResult:
     """A DPO run config from / to the wrapped model's config (no checkpoint involved)."""
     src, src_wrap = split_format(src_fmt)
     tgt, tgt_wrap = split_format(tgt_fmt)
@@ -185,7 +188,7 @@ def _wrap(key: str) -> str:
 # --- planning -------------------------------------------------------------------------------
 
 
-def build_dpo_plan(
+def build_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a conversion into, out of, or between DPO layouts (see the module docstring)."""
@@ -197,7 +200,7 @@ def build_dpo_plan(
     if src != "hf" and config is None:
         config = metadata_params(source, source.entries())
 
-    if src == "hf" and tgt != "hf" and tgt_wrap == "dpo" and release_key(tgt[3:]) >= release_key("2.1"):
+    if src == "hf" and tgt != "hf" and tgt_wrap == "dpo" and release_key(tgt[3:]) >= release_key(FIRST_RELEASE):
         base = base_model_of_hf(config)
         plan, conf = build_family_plan(source, config, replace(req, model=base, tgt_fmt=tgt), strict=strict)
         conf = replace(conf, target=add_dpo_config(conf.target, base))
