@@ -15,6 +15,7 @@ from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import load_config
 from ckptconv.engine.layouts.planner import build_family_plan
 from ckptconv.engine.layouts.source_info import detect_release
+from ckptconv.engine.layouts.tables import ModelTable
 from ckptconv.engine.layouts.views import KeyView, plan_on_source, rename_outputs
 from ckptconv.engine.plan import Plan, Step
 from ckptconv.formats.base import TensorSource
@@ -101,9 +102,10 @@ def composite_model_section(config: Any, model: str, sections: list[str]) -> dic
     return section
 
 
-def composite_formats(req: Any, source: TensorSource, model: str, first: str, components: list[str]) -> tuple[str, str]:
-    """(source, target) nodes of a composite model's conversion, which is hf <-> cs-``first`` ...
-    the newest release (``cs-auto`` read from the checkpoint)."""
+def composite_formats(req: Any, source: TensorSource, table: ModelTable) -> tuple[str, str]:
+    """(source, target) nodes of a composite model's conversion, which is hf <-> its table's first
+    release ... the newest release (``cs-auto`` read from the checkpoint)."""
+    model, first = table.name, table.first_release
     src = upgrades.parse_format(req.src_fmt, side="source")
     tgt = upgrades.parse_format(req.tgt_fmt, side="target")
     if src == "cs-auto":
@@ -113,7 +115,7 @@ def composite_formats(req: Any, source: TensorSource, model: str, first: str, co
         raise NoConversionPath(
             f"{model} converts hf <-> cs-{first} ... cs-{CURRENT_RELEASE}, not {req.src_fmt} -> {req.tgt_fmt}",
             hint="name the release (cs-X.Y) on the Cerebras side; the Hugging Face side is a directory holding "
-            + " and ".join(f"{c}/" for c in components),
+            + " and ".join(f"{c}/" for c in table.components),
         )
     return src, tgt
 

@@ -41,7 +41,6 @@ from ckptconv.formats.tree import flat_dict_spec, wrap_spec
 MODEL_NAME = "dpr"
 # What this module reads from its table (dpr.yaml beside it).
 TABLE = model_tables()[MODEL_NAME]
-FIRST_RELEASE = TABLE.first_release
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ def build_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a DPR conversion (see the module docstring)."""
-    src, tgt = composite_formats(req, source, MODEL_NAME, FIRST_RELEASE, COMPONENTS)
+    src, tgt = composite_formats(req, source, TABLE)
     parts = PartsPlan()
     if src == "hf":
         configs = component_configs(source, COMPONENTS)

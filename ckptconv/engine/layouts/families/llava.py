@@ -52,7 +52,6 @@ from ckptconv.formats.tree import flat_dict_spec, wrap_spec
 MODEL_NAME = "llava"
 # What this module reads from its table (llava.yaml beside it): the parts, their families and routes.
 TABLE = model_tables()[MODEL_NAME]
-FIRST_RELEASE = TABLE.first_release
 IMAGE, TEXT = TABLE.components  # the vision tower, the language model
 COMPONENTS = TABLE.components
 ROUTES = TABLE.routes()
@@ -293,7 +292,7 @@ def build_plan(
     source: TensorSource, config: Mapping[str, Any] | None, req: Request, *, strict: bool
 ) -> tuple[Plan, ConfigResult]:
     """Plan a LLaVA conversion (see the module docstring)."""
-    src, tgt = composite_formats(req, source, MODEL_NAME, FIRST_RELEASE, COMPONENTS)
+    src, tgt = composite_formats(req, source, TABLE)
     parts = PartsPlan()
     if src == "hf":
         owner = getattr(source, "component_of", None)
