@@ -118,6 +118,39 @@ def join(base: str, *parts: str) -> str:
     return out
 
 
+def basename(uri: str) -> str:
+    """The last name in ``uri``, trailing slashes ignored: ``s3://b/run/ckpt/`` -> ``ckpt``.
+
+    A bucket root names its bucket (``s3://b`` -> ``b``); ``/`` and ``""`` have no name (``""``).
+    """
+    return uri.rstrip("/").rpartition("/")[2]
+
+
+def parent(uri: str) -> str:
+    """The directory or S3 prefix holding ``uri``, trailing slashes ignored, with none of its own.
+
+    ``s3://b/run/ckpt`` -> ``s3://b/run``; ``s3://b/ckpt`` -> ``s3://b``; ``/data/ckpt`` ->
+    ``/data``; ``/ckpt`` -> ``/``; ``file:///ckpt`` -> ``file:///``; a bare name ``ckpt`` -> ``.``.
+    A bucket root has no parent: :class:`~ckptconv.core.errors.InvalidRequest`.
+    """
+    trimmed = uri.rstrip("/")
+    if is_s3(uri):
+        bucket, key = split_s3(trimmed)
+        if not key:
+            raise InvalidRequest(f"{uri} names a bucket, not an object", hint="use s3://bucket/some/key")
+        head = key.rpartition("/")[0]
+        return f"s3://{bucket}/{head}" if head else f"s3://{bucket}"
+    scheme = _SCHEME.match(trimmed)
+    prefix, path = "", trimmed
+    if scheme is not None:  # file://[host]/path: keep the scheme and host, take the parent of the path
+        host, slash, rest = trimmed[scheme.end() :].partition("/")
+        prefix, path = trimmed[: scheme.end()] + host, slash + rest
+    head, sep, _ = path.rpartition("/")
+    if not sep:
+        return prefix or "."
+    return prefix + (head or "/")
+
+
 def normalize_uri(uri: str) -> str:
     """Local paths become absolute (staging and publishing compute siblings from them)."""
     if uri.startswith("s3://"):

@@ -29,8 +29,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import posixpath
 import shutil
 import time
 import uuid
@@ -47,7 +45,8 @@ from ckptconv.core.errors import (
     VerificationFailed,
 )
 from ckptconv.core.fencing import current_attempt, fence
-from ckptconv.core.uri import normalize_uri
+from ckptconv.core.uri import basename, normalize_uri
+from ckptconv.core.uri import parent as parent_of
 from ckptconv.core.version import __version__
 from ckptconv.engine.execute import (
     CancelFn,
@@ -167,23 +166,9 @@ class _Layout:
         return [self.target + "/" + MANIFEST_NAME, self.target + MANIFEST_SUFFIX]
 
 
-def basename(uri: str) -> str:
-    return posixpath.basename(uri.rstrip("/"))
-
-
-def _parent(uri: str) -> str:
-    uri = uri.rstrip("/")
-    if uri.startswith("s3://"):
-        bucket_and_key = uri[len("s3://") :]
-        if "/" not in bucket_and_key:
-            raise InvalidRequest(f"{uri} names a bucket, not an object", hint="use s3://bucket/some/key")
-        return "s3://" + bucket_and_key.rsplit("/", 1)[0]
-    return os.path.dirname(uri)
-
-
 def _layout(storage: Storage, target: str, staging: str | None, job_id: str | None) -> _Layout:
     target = target.rstrip("/")
-    parent = _parent(target)
+    parent = parent_of(target)
     if staging is None:
         attempt = current_attempt(job_id) if job_id else None
         staging = storage.join(_job_staging(storage, parent, job_id), str(attempt.number if attempt else 0))

@@ -29,12 +29,13 @@ refused with a hint.
 from __future__ import annotations
 
 import math
-import posixpath
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import CorruptCheckpoint, UnsupportedFormat, UnsupportedValue
+from ckptconv.core.uri import basename, parent
 from ckptconv.formats import restricted_pickle
 from ckptconv.formats.base import Entry, TensorSource, dtype_name
+from ckptconv.formats.memory import empty_tensor
 from ckptconv.formats.pickle_allowlist import (
     DcpBytesStorage,
     DcpChunk,
@@ -92,8 +93,8 @@ class DcpSource(TensorSource):
         super().__init__(storage, uri)
         self._local = LocalFiles(storage)
         root = uri.rstrip("/")
-        if posixpath.basename(root) == METADATA:
-            root = posixpath.dirname(root)
+        if basename(root) == METADATA:
+            root = parent(root)
         self.root = root
         self.metadata_uri = storage.join(root, METADATA)
         size = storage.stat(self.metadata_uri).size
@@ -240,7 +241,6 @@ class DcpSource(TensorSource):
             raise KeyError(key)
         if entry.kind != "tensor":
             return self._values[key]
-        from ckptconv.formats.memory import empty_tensor
 
         assert entry.shape is not None and entry.dtype is not None
         out = empty_tensor(entry.shape, entry.dtype)

@@ -10,11 +10,10 @@ file's name and bytes disagree, the bytes win if the named format has a sniff to
 
 from __future__ import annotations
 
-import posixpath
 from typing import Any
 
 from ckptconv.core.errors import ObjectNotFound, UnknownFormat, UnsupportedFormat
-from ckptconv.core.uri import normalize_uri
+from ckptconv.core.uri import basename, normalize_uri
 from ckptconv.formats import FORMATS, source_class
 from ckptconv.formats.base import TensorSource
 from ckptconv.formats.signatures import HEAD_BYTES
@@ -30,10 +29,6 @@ def _by_length(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
 # (file-name ending, format) and (marker name, format), read from the registry.
 _SUFFIXES = _by_length([(suffix, f.name) for f in FORMATS.values() for suffix in f.names])
 _MARKERS = [(marker, f.name) for f in FORMATS.values() for marker in f.markers]
-
-
-def basename(uri: str) -> str:
-    return posixpath.basename(uri.rstrip("/"))
 
 
 def format_from_name(uri: str) -> str | None:

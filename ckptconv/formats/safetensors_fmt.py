@@ -41,6 +41,7 @@ from ckptconv.core.errors import (
     UnsupportedDtype,
     UnsupportedValue,
 )
+from ckptconv.core.uri import basename
 from ckptconv.formats.base import (
     Entry,
     OpaqueObject,
@@ -364,7 +365,7 @@ class SafetensorsSink(ShardedSink):
                 regions.append(region)
                 tensors.append((key, dtype, tuple(shape or ()), e.nbytes))
                 self._regions_of.setdefault(root, (i, []))[1].append(region)
-                weight_map[key] = f.uri.rsplit("/", 1)[-1]
+                weight_map[key] = basename(f.uri)
                 total += e.nbytes
             metadata = {"format": "pt"}
             if record is not None and index_uri is None:

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound, UnsupportedFormat
 from ckptconv.core.sizes import parse_size
+from ckptconv.core.uri import parent
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
+from ckptconv.formats.memory import empty_tensor
 from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage.part_upload import open_output_writer
 
@@ -170,16 +172,6 @@ class ShardIndex:
         return sorted(set(self.weight_map.values()))
 
 
-def parent_uri(uri: str) -> str:
-    """The directory (or S3 prefix) holding ``uri``."""
-    head, sep, _ = uri.rstrip("/").rpartition("/")
-    if not sep:
-        return "."
-    if head.endswith(":/"):  # "s3://bucket" has no key part to drop
-        raise InvalidRequest(f"{uri} names a bucket, not an object")
-    return head or "/"
-
-
 def index_bytes(weight_map: dict[str, str], total_size: int, metadata: dict[str, Any] | None = None) -> bytes:
     """The JSON text of an index file (indent 2 and a trailing newline, as ``transformers`` writes)."""
     doc = {"metadata": {"total_size": total_size, **(metadata or {})}, "weight_map": weight_map}
@@ -197,7 +189,7 @@ def read_index(storage: Storage, uri: str) -> ShardIndex:
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CorruptCheckpoint(f"index file {uri}: metadata is not an object")
-    base = parent_uri(uri)
+    base = parent(uri)
     confined: dict[str, str] = {}
     weight_map: dict[str, str] = {}
     for key, name in doc["weight_map"].items():
@@ -404,8 +396,6 @@ def read_slot(storage: Storage, slot: Slot, fd: int | None = None) -> torch.Tens
     ranged read of exactly the tensor's bytes.
     """
     import torch
-
-    from ckptconv.formats.memory import empty_tensor
 
     t = empty_tensor(slot.shape, slot.dtype)
     if slot.nbytes == 0:

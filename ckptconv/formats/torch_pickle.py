@@ -42,6 +42,7 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
+from ckptconv.core.uri import basename
 from ckptconv.formats.base import (
     Entry,
     OpaqueObject,
@@ -317,7 +318,7 @@ def pickle_tree(tree: Any) -> bytes:
 
 def _archive_name(uri: str) -> str:
     """The record directory torch.save uses: the file name without its last extension."""
-    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    name = basename(uri)
     return name.rsplit(".", 1)[0] if "." in name else name or "archive"
 
 
@@ -387,7 +388,7 @@ class TorchSink(ShardedSink):
             out = _FileOut(f.uri, f.keys)
             for key in f.keys:
                 e = by_key[key]
-                weight_map[key] = f.uri.rsplit("/", 1)[-1]
+                weight_map[key] = basename(f.uri)
                 if e.kind == "link":
                     continue
                 out.storage_ids[key] = str(len(out.storage_ids))

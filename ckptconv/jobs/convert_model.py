@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ckptconv.core.errors import InvalidRequest
+from ckptconv.core.uri import parent
 from ckptconv.jobs import JobContext
 
 
@@ -76,7 +77,7 @@ def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:
     if is_local(hf) and not os.path.isdir(local_path_of(hf)):
         hf = os.path.dirname(local_path_of(hf))
     elif not is_local(hf) and hf.endswith((".safetensors", ".bin", ".json")):
-        hf = hf.rsplit("/", 1)[0]
+        hf = parent(hf)
     return verify(hf, cs_ckpt, cs_cfg, o.model)
 
 

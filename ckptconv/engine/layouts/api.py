@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.uri import basename, parent
 from ckptconv.engine.cs_yaml import dump_cs_yaml
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import dump_hf_json, find_hf_config, load_config
@@ -58,16 +59,16 @@ def _source_base(source: Any) -> str:
     if source.format == "components":
         return "pytorch_model"  # what the Model Zoo names a checkpoint packed from component directories
     uri = source.uri.rstrip("/")
-    name = posixpath.basename(uri)
+    name = basename(uri)
     if source.format == "dcp":
         # A distributed checkpoint is its directory (step-1000/), also when named by its .metadata.
-        return posixpath.basename(posixpath.dirname(uri)) if name == ".metadata" else name
+        return basename(parent(uri)) if name == ".metadata" else name
     if "." in name:
         return strip_extensions(name)
     files = [f for f in source.files() if f.rstrip("/") != uri]
     index = [f for f in files if f.endswith(".index.json")]
     pick = index[0] if index else (files[0] if files else uri)
-    base = strip_extensions(posixpath.basename(pick))
+    base = strip_extensions(basename(pick))
     return re.sub(r"-\d{5}-of-\d{5}$", "", base)
 
 
@@ -80,11 +81,11 @@ def output_names(source: Any, config_uri: str | None, tgt_node: str, *, output_d
     base = _source_base(source)
     if output_dir is None:
         # Beside the input file; for a directory source (an HF model directory), inside it.
-        output_dir = (posixpath.dirname(src_uri) or ".") if storage.exists(src_uri) else src_uri
+        output_dir = parent(src_uri) if storage.exists(src_uri) else src_uri
     if tgt_node == "hf":
         target = storage.join(output_dir.rstrip("/"), f"{base}_to_hf")
         return target, f"{base}_to_hf/config.json"
-    cfg_base = strip_extensions(posixpath.basename(config_uri)) if config_uri else "config"
+    cfg_base = strip_extensions(basename(config_uri)) if config_uri else "config"
     target = storage.join(output_dir.rstrip("/"), f"{base}_to_{tgt_node}.mdl")
     return target, f"{cfg_base}_to_{tgt_node}.yaml"
 
@@ -307,10 +308,10 @@ def convert_config(
     from ckptconv.storage import open_storage
 
     storage = open_storage(uri)
-    name = posixpath.basename(uri)
+    name = basename(uri)
     stem = name.rsplit(".", 1)[0] if "." in name else name
     ext = "json" if tgt == "hf" else "yaml"
-    directory = output_dir or posixpath.dirname(uri) or "."
+    directory = output_dir or parent(uri)
     path = storage.join(directory.rstrip("/"), f"{stem}_to_{tgt}.{ext}")
     data = dump_hf_json(result.target) if tgt == "hf" else dump_cs_yaml(result.target)
     storage.write_bytes(path, data)  # refuses to overwrite

@@ -5,12 +5,12 @@ checkpoint, and writing a ``config.json``."""
 from __future__ import annotations
 
 import json
-import posixpath
 from collections.abc import Mapping
 from typing import Any
 
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import ConfigConversionError, ObjectNotFound
+from ckptconv.core.uri import parent
 from ckptconv.engine.cs_yaml import parse_cs_yaml
 from ckptconv.storage import open_storage
 
@@ -48,9 +48,7 @@ def find_hf_config(src_uri: str) -> str | None:
     if not storage.exists(src_uri):
         candidates.append(storage.join(src_uri.rstrip("/"), "config.json"))
     else:
-        parent = posixpath.dirname(src_uri.rstrip("/"))
-        if parent:
-            candidates.append(storage.join(parent, "config.json"))
+        candidates.append(storage.join(parent(src_uri), "config.json"))
     for c in candidates:
         if storage.exists(c):
             return c

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import posixpath
 import re
 import string
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ import yaml
 
 from ckptconv.core.bounded import load_yaml
 from ckptconv.core.errors import InvalidRequest, StorageError
-from ckptconv.core.uri import is_local, local_path_of
+from ckptconv.core.uri import basename, is_local, local_path_of
 from ckptconv.storage import Storage, open_storage
 
 DEFAULT_CHECKPOINT_NAME = "checkpoint_{step}.mdl"
@@ -116,7 +115,7 @@ class SaveCheckpointState:
 
     def file_name(self, ckpt_uri: str) -> str:
         return self.checkpoint_name.format(
-            checkpoint_states="_".join(self.checkpoint_states), ckpt_name=posixpath.basename(ckpt_uri)
+            checkpoint_states="_".join(self.checkpoint_states), ckpt_name=basename(ckpt_uri)
         )
 
     def select(self, keys: list[str]) -> list[str]:
@@ -248,7 +247,7 @@ def checkpoint_uri(
 
 
 def parse_checkpoint_name(settings: CheckpointSettings, uri: str) -> tuple[int, datetime] | None:
-    m = settings.regex.fullmatch(posixpath.basename(uri))
+    m = settings.regex.fullmatch(basename(uri))
     if m is None:
         return None
     stamp = m.group("timestamp")
