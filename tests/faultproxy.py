@@ -44,6 +44,7 @@ class FaultProxy:
         faults: tuple[str, ...] = FAULTS,
         stall_s: float = 2.0,
         seed: int = 0,
+        delay_s: float = 0.0,
     ) -> None:
         unknown = set(faults) - set(FAULTS)
         if unknown:
@@ -55,6 +56,11 @@ class FaultProxy:
         self.stall_s = stall_s
         self.counts: collections.Counter[str] = collections.Counter()
         self.requests = 0
+        # Every request is held this long before it is forwarded, so that requests a client sends
+        # at once are seen in flight together; ``in_flight`` / ``peak_in_flight`` count them.
+        self.delay_s = delay_s
+        self.in_flight = 0
+        self.peak_in_flight = 0
         # Called with (method, path, lower-cased headers) for every request: tests record what was asked.
         self.on_request: Callable[[str, str, dict[str, str]], None] | None = None
         self._rng = random.Random(seed)
@@ -105,6 +111,13 @@ class FaultProxy:
             self.counts[fault] += 1
             return fault
 
+    def _arrived(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+
     # --- one client connection -------------------------------------------------------------
 
     def _serve(self, client: socket.socket) -> None:
@@ -118,45 +131,50 @@ class FaultProxy:
                 method, target, headers, body = request
                 if self.on_request is not None:
                     self.on_request(method, target, {k.lower(): v for k, v in headers})
-                fault = self._pick()
-                is_head = method == "HEAD"
-                if fault == "error":
-                    client.sendall(_response_bytes(500, "Internal Server Error", [], _ERROR_BODY, head=is_head))
-                    continue
-                if upstream is None:
-                    upstream = http.client.HTTPConnection(*self.upstream, timeout=60)
-                upstream.request(method, target, body=body, headers=dict(headers))
-                resp = upstream.getresponse()
-                data = resp.read()
-                out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in ("transfer-encoding",)]
-                if method != "HEAD" and not any(k.lower() == "content-length" for k, _ in out_headers):
-                    out_headers.append(("Content-Length", str(len(data))))
-                if resp.will_close:
-                    upstream.close()
-                    upstream = None
-                if fault == "lost":
-                    client.sendall(_response_bytes(500, "Internal Server Error", [], _ERROR_BODY, head=is_head))
-                    continue
-                whole = _response_bytes(resp.status, resp.reason, out_headers, data, head=is_head)
-                if fault is None:
-                    client.sendall(whole)
-                    continue
-                if fault == "nolength":
-                    kept = [(k, v) for k, v in out_headers if k.lower() not in ("content-length", "connection")]
-                    kept.append(("Connection", "close"))
-                    head = _response_bytes(resp.status, resp.reason, kept, b"", head=True)
-                    client.sendall(head + data[: len(data) // 2])
+                self._arrived()
+                try:
+                    fault = self._pick()
+                    is_head = method == "HEAD"
+                    if fault == "error":
+                        client.sendall(_response_bytes(500, "Internal Server Error", [], _ERROR_BODY, head=is_head))
+                        continue
+                    if upstream is None:
+                        upstream = http.client.HTTPConnection(*self.upstream, timeout=60)
+                    upstream.request(method, target, body=body, headers=dict(headers))
+                    resp = upstream.getresponse()
+                    data = resp.read()
+                    out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in ("transfer-encoding",)]
+                    if method != "HEAD" and not any(k.lower() == "content-length" for k, _ in out_headers):
+                        out_headers.append(("Content-Length", str(len(data))))
+                    if resp.will_close:
+                        upstream.close()
+                        upstream = None
+                    if fault == "lost":
+                        client.sendall(_response_bytes(500, "Internal Server Error", [], _ERROR_BODY, head=is_head))
+                        continue
+                    whole = _response_bytes(resp.status, resp.reason, out_headers, data, head=is_head)
+                    if fault is None:
+                        client.sendall(whole)
+                        continue
+                    if fault == "nolength":
+                        kept = [(k, v) for k, v in out_headers if k.lower() not in ("content-length", "connection")]
+                        kept.append(("Connection", "close"))
+                        head = _response_bytes(resp.status, resp.reason, kept, b"", head=True)
+                        client.sendall(head + data[: len(data) // 2])
+                        return
+                    cut = len(whole) - len(data) + len(data) // 2 if data else len(whole) // 2
+                    client.sendall(whole[:cut])
+                    if fault == "stall":
+                        time.sleep(self.stall_s)
+                        return
+                    # reset: abortive close, the client sees ECONNRESET. A moment first, so that the
+                    # client reads what was sent (a reset discards data the peer has not read yet).
+                    time.sleep(0.2)
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return
-                cut = len(whole) - len(data) + len(data) // 2 if data else len(whole) // 2
-                client.sendall(whole[:cut])
-                if fault == "stall":
-                    time.sleep(self.stall_s)
-                    return
-                # reset: abortive close, the client sees ECONNRESET. A moment first, so that the
-                # client reads what was sent (a reset discards data the peer has not read yet).
-                time.sleep(0.2)
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                return
+                finally:
+                    with self._lock:
+                        self.in_flight -= 1
         except (OSError, http.client.HTTPException):
             return
         finally:

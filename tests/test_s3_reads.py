@@ -46,6 +46,25 @@ def test_a_long_range_is_read_as_parallel_parts(s3_bucket, recorded, monkeypatch
     assert ranges == [12345 + i * 5 * MiB for i in range(5)]
 
 
+def test_values_are_read_in_parallel_with_at_most_the_read_concurrency_in_flight(
+    s3_bucket, s3_server, monkeypatch, tmp_path
+):
+    g = torch.Generator().manual_seed(2)
+    tensors = {f"w{i:02d}": torch.randn(64, 1024, generator=g) for i in range(24)}  # 256 KiB each
+    uri = f"s3://{s3_bucket}/par/model.safetensors"
+    S3Storage(s3_server).write_bytes(uri, save(tensors))
+    monkeypatch.setenv("CKPTCONV_S3_READ_CONCURRENCY", "3")
+    # Every request held 50 ms: GETs sent together are seen in flight together.
+    with FaultProxy(s3_server, delay_s=0.05) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        # A budget that lets many values be read ahead: the concurrency is what bounds them.
+        result = convert(uri, str(tmp_path / "out.safetensors"), to="safetensors", memory_budget="310MiB")
+        assert result.verify["ok"]
+        assert 2 <= proxy.peak_in_flight <= 3
+    with open_source(str(tmp_path / "out.safetensors"), "safetensors") as out:
+        assert all(torch.equal(out.read(k), t) for k, t in tensors.items())
+
+
 def test_parallel_parts_survive_resets(s3_bucket, s3_server, monkeypatch):
     monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
     data = os.urandom(40 * MiB)

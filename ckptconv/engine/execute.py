@@ -1,12 +1,12 @@
 """Execute a plan: read source values, transform, write to a sink, one entry at a time.
 
-Memory: a reader thread reads the next source value while the current one is transformed and
-written (two cores: reading overlaps writing), under a byte budget, so the values alive at once are
-bounded by ``max(budget, largest value) +`` one step's output. Values are dropped as soon as no later
-step needs them (reference counts from ``Plan.input_uses``).
+Memory: reader threads read the next source values while the current one is transformed and
+written (reading overlaps writing; :mod:`ckptconv.engine.prefetch`), under a byte budget, so the
+values alive at once are bounded by ``max(budget, largest value) +`` one step's output. Values
+are dropped as soon as no later step needs them (reference counts from ``Plan.input_uses``).
 
 Every data value written is hashed (xxh3-128 of its raw bytes) on the way out, and every source
-value as it is read (on the reader thread). ``check_written`` compares the two for every entry
+value as it is read (on the reader threads). ``check_written`` compares the two for every entry
 written unchanged, without reading anything again (the default verification); ``verify_output``
 reopens what the sink wrote and compares every entry against the written hashes (``verify: full``).
 """
@@ -14,8 +14,6 @@ reopens what the sink wrote and compares every entry against the written hashes 
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ import xxhash
 
 from ckptconv.core.errors import Cancelled, CkptconvError, VerificationFailed
 from ckptconv.engine.plan import IDENTITY, Plan
+from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, TensorSource
 
 
@@ -162,94 +161,6 @@ def value_nbytes(value: Any) -> int:
     return 0
 
 
-# --- reading ahead ---------------------------------------------------------------------------
-
-
-class _Prefetcher:
-    """Reads source values in first-use order on one thread, holding at most ``budget`` bytes ahead."""
-
-    _DONE = object()
-
-    def __init__(
-        self,
-        source: TensorSource,
-        keys: list[str],
-        sizes: dict[str, int],
-        budget: int,
-        read_digests: dict[str, str] | None = None,
-    ) -> None:
-        self.source = source
-        self.read_digests = read_digests
-        self.keys = keys
-        self.sizes = sizes
-        self.budget = budget
-        self.outstanding = 0
-        # Values the consumer has asked for / the reader has delivered: when the consumer is blocked
-        # on a value (demand > delivered) the reader goes on regardless of the budget, since the
-        # consumer may hold several inputs of one step (a fused QKV) that together exceed it.
-        self.demand = 0
-        self.delivered = 0
-        self.cond = threading.Condition()
-        self.q: queue.Queue[tuple[str, Any, BaseException | None]] = queue.Queue()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="ckptconv-prefetch", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        for key in self.keys:
-            size = self.sizes.get(key, 0)
-            with self.cond:
-                # A value bigger than the budget still goes alone: wait until nothing is outstanding.
-                while (
-                    not self.stopped
-                    and self.outstanding > 0
-                    and self.outstanding + size > self.budget
-                    and self.demand <= self.delivered
-                ):
-                    self.cond.wait()
-                if self.stopped:
-                    return
-                self.outstanding += size
-            try:
-                value = self.source.read(key)
-                if self.read_digests is not None:
-                    self.read_digests[key] = value_digest(value)
-            except BaseException as e:  # handed to the consumer, which re-raises it
-                self.q.put((key, None, e))
-                return
-            with self.cond:
-                self.delivered += 1
-            self.q.put((key, value, None))
-
-    def get(self, expected: str) -> Any:
-        with self.cond:
-            self.demand += 1
-            self.cond.notify_all()
-        key, value, err = self.q.get()
-        if err is not None:
-            raise err
-        if key != expected:  # the consumer and the reader walk the same list; anything else is a bug
-            raise RuntimeError(f"prefetch order broken: expected {expected!r}, got {key!r}")
-        return value
-
-    def release(self, key: str) -> None:
-        with self.cond:
-            self.outstanding -= self.sizes.get(key, 0)
-            self.cond.notify_all()
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-        # Drain so a reader blocked on nothing can finish; values are dropped here.
-        while self.thread.is_alive():
-            try:
-                self.q.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        self.thread.join()
-
-
 def _first_use_order(plan: Plan) -> list[str]:
     seen: set[str] = set()
     order: list[str] = []
@@ -271,13 +182,15 @@ def execute(
     reporter: ProgressReporter | None = None,
     cancelled: CancelFn | None = None,
     prefetch: bool = True,
+    parallel_reads: bool = True,
     read_ahead: int | None = None,
     read_digests: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Run ``plan`` from ``source`` into ``sink`` (begin + writes; the caller commits or aborts).
 
-    ``read_ahead`` bounds the bytes the reader thread holds ahead (default: the largest value;
-    ``Plan.memory`` derives it from a memory budget). ``read_digests``, when given, receives the
+    ``read_ahead`` bounds the bytes the reader threads hold ahead (default: the largest value;
+    ``Plan.memory`` derives it from a memory budget); they are ``source.read_parallelism`` threads
+    unless ``parallel_reads`` is false (see :mod:`ckptconv.engine.prefetch`). ``read_digests``, when given, receives the
     digest of every source value as read (for ``check_written``).
 
     Returns the digest of every value written, by output key. Raises Cancelled between entries when
@@ -292,8 +205,22 @@ def execute(
     order = _first_use_order(plan)
     largest = max((src_sizes.get(k, 0) for k in order), default=0)
     budget = max(largest, read_ahead or 0)
+
+    def hashed_as_read(key: str, value: Any) -> None:
+        if read_digests is not None:
+            read_digests[key] = value_digest(value)
+
     fetcher = (
-        _Prefetcher(source, order, src_sizes, budget=budget, read_digests=read_digests) if prefetch and order else None
+        Prefetcher(
+            source,
+            order,
+            src_sizes,
+            budget,
+            workers=source.read_parallelism if parallel_reads else 1,
+            on_read=hashed_as_read,
+        )
+        if prefetch and order
+        else None
     )
     cache: dict[str, Any] = {}
     digests: dict[str, str] = {}

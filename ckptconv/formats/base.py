@@ -119,6 +119,11 @@ class TensorSource(abc.ABC):
     """Reads one checkpoint, one value at a time. See the module docstring for the contract."""
 
     format: str = ""
+    #: How many values ``read`` may be asked for at once, from as many threads. Sources whose
+    #: reads are independent and thread-safe (positioned reads of known byte ranges) raise it to
+    #: what their storage serves well (``Storage.read_parallelism``); the executor reads that many
+    #: values ahead within its memory budget.
+    read_parallelism: int = 1
 
     def __init__(self, storage: Storage, uri: str) -> None:
         self.storage = storage

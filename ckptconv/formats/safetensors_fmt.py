@@ -232,6 +232,8 @@ class SafetensorsSource(TensorSource):
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri)
         self.path = find_checkpoint(storage, uri, SAFETENSORS, FORMATS["safetensors"].names)
+        # Every tensor is a known byte range, read by positioned reads: reads may run in parallel.
+        self.read_parallelism = storage.read_parallelism
         self._local = LocalFiles(storage)
         self._files = [self.path]
         if self.path.endswith(".index.json"):

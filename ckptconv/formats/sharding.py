@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -419,15 +420,18 @@ class LocalFiles:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._fds: dict[str, int | None] = {}
+        self._lock = threading.Lock()  # readers on several threads open files on first use
 
     def fd(self, uri: str) -> int | None:
-        if uri not in self._fds:
-            path = self.storage.local_path(uri)
-            self._fds[uri] = os.open(path, os.O_RDONLY) if path is not None else None
-        return self._fds[uri]
+        with self._lock:
+            if uri not in self._fds:
+                path = self.storage.local_path(uri)
+                self._fds[uri] = os.open(path, os.O_RDONLY) if path is not None else None
+            return self._fds[uri]
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
+        with self._lock:
+            fds, self._fds = self._fds, {}
         for fd in fds.values():
             if fd is not None:
                 os.close(fd)

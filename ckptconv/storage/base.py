@@ -84,6 +84,9 @@ class Storage(abc.ABC):
     """Bytes behind URIs. One instance per scheme; get one with ``open_storage(uri)``."""
 
     scheme: str
+    #: Positioned reads worth having in flight at once (readers of independent byte ranges use
+    #: up to this many threads).
+    read_parallelism: int = 2
 
     @abc.abstractmethod
     def stat(self, uri: str) -> ObjectInfo:

@@ -77,6 +77,7 @@ class ConfinedStorage(Storage):
         self.inner = inner
         self.scopes = scopes
         self.scheme = inner.scheme
+        self.read_parallelism = inner.read_parallelism
 
     def _check(self, uri: str) -> None:
         self.scopes.check(uri)

@@ -68,7 +68,7 @@ class S3Storage(Storage):
         self.client = client if client is not None else make_client(endpoint_url, pool_connections=pool)
         self.endpoint_url: str | None = self.client.meta.endpoint_url
         self.retry = RetryPolicy.from_env(max_attempts)
-        self.reads = RangedGets(self.client, self._retried, concurrency=concurrency, part_size=part_size)
+        self._gets = RangedGets(self.client, self._retried, concurrency=concurrency, part_size=part_size)
         if part_checksums is None:
             part_checksums = getattr(self.client.meta.config, "request_checksum_calculation", None) != "when_required"
         self.part_checksums = part_checksums
@@ -191,16 +191,21 @@ class S3Storage(Storage):
         if len(view) == 0:
             return
         bucket, key = self._object(uri)
-        self.reads.read_into(uri, bucket, key, offset, view)
+        self._gets.read_into(uri, bucket, key, offset, view)
 
     @property
     def read_concurrency(self) -> int:
-        """Ranged GETs in flight at most: also how many values a reader of this storage reads at once."""
-        return self.reads.concurrency
+        """Ranged GETs in flight at most."""
+        return self._gets.concurrency
+
+    @property
+    def read_parallelism(self) -> int:  # type: ignore[override]
+        # As many values read at once as GETs may be in flight: values of a few MB are one GET each.
+        return self._gets.concurrency
 
     @property
     def read_part_size(self) -> int:
-        return self.reads.part_size
+        return self._gets.part_size
 
     def open_reader(self, uri: str) -> BinaryIO:
         """A buffered, seekable reader over ranged GETs (read-ahead of 8 MiB per request)."""

@@ -1,0 +1,128 @@
+"""Reading source values ahead of the executor, on several threads, within a byte budget.
+
+The executor consumes source values one at a time, in the order the plan first uses them. Reading
+them one after the other leaves the store idle while a value is transformed and written, and one
+request at a time is far below what object storage serves (a value of a few MB is one ranged GET;
+its latency, not the bandwidth, sets the pace). The :class:`Prefetcher` reads up to ``workers``
+values at once, in first-use order, and hands them over in that order.
+
+Memory: a worker claims a value's bytes before reading it; claims stop while the claimed bytes
+not yet released by the consumer would exceed ``budget``. Two exceptions keep it from deadlocking,
+both bounded: a value larger than the budget is read alone (nothing else claimed), and the value
+the consumer is waiting for is always read (it may hold several inputs of one step, a fused QKV,
+that together exceed the budget). Values alive at once are thus at most ``max(budget, largest)``
+plus what the consumer holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ckptconv.formats.base import TensorSource
+
+OnRead = Callable[[str, Any], None]
+
+
+class Prefetcher:
+    """Reads ``keys`` from ``source`` on ``workers`` threads; ``get`` returns them in order.
+
+    ``on_read(key, value)`` runs on the reading thread right after each read (hashing as read).
+    The source's ``read`` must be safe to call from ``workers`` threads at once.
+    """
+
+    def __init__(
+        self,
+        source: TensorSource,
+        keys: list[str],
+        sizes: dict[str, int],
+        budget: int,
+        *,
+        workers: int = 1,
+        on_read: OnRead | None = None,
+    ) -> None:
+        self.source = source
+        self.keys = keys
+        self.sizes = sizes
+        self.budget = budget
+        self.on_read = on_read
+        self.outstanding = 0  # bytes claimed by workers and not yet released by the consumer
+        self.peak_outstanding = 0
+        self._claimed = 0  # keys handed to workers so far (claims go in order)
+        self._asked = 0  # keys the consumer has asked for
+        self._results: dict[int, tuple[Any, BaseException | None]] = {}
+        self._stopped = False
+        self._failed = False
+        self._cond = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"ckptconv-prefetch-{i}", daemon=True)
+            for i in range(max(1, min(workers, len(keys))))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _claim(self) -> int | None:
+        """The index of the next key to read, once the budget allows it; None when done."""
+        with self._cond:
+            while True:
+                if self._stopped or self._failed or self._claimed >= len(self.keys):
+                    return None
+                i = self._claimed
+                size = self.sizes.get(self.keys[i], 0)
+                if self.outstanding == 0 or self.outstanding + size <= self.budget or self._asked > i:
+                    self._claimed += 1
+                    self.outstanding += size
+                    self.peak_outstanding = max(self.peak_outstanding, self.outstanding)
+                    return i
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while (i := self._claim()) is not None:
+            key = self.keys[i]
+            value: Any = None
+            error: BaseException | None = None
+            try:
+                value = self.source.read(key)
+                if self.on_read is not None:
+                    self.on_read(key, value)
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                error = e
+            with self._cond:
+                if self._stopped:
+                    return
+                self._results[i] = (value, error)
+                self._failed = self._failed or error is not None
+                self._cond.notify_all()
+            # Held here, a value the consumer released would stay alive while this thread waits.
+            value = error = None
+
+    def get(self, expected: str) -> Any:
+        """The next value in order, which must be ``expected``'s; re-raises its read's error."""
+        with self._cond:
+            i = self._asked
+            self._asked += 1
+            self._cond.notify_all()
+            while i not in self._results:
+                self._cond.wait()
+            value, err = self._results.pop(i)
+        if err is not None:
+            raise err
+        if self.keys[i] != expected:  # the consumer and the readers walk the same list; anything else is a bug
+            raise RuntimeError(f"prefetch order broken: expected {expected!r}, got {self.keys[i]!r}")
+        return value
+
+    def release(self, key: str) -> None:
+        """The consumer no longer holds ``key``'s value: its bytes leave the budget."""
+        with self._cond:
+            self.outstanding -= self.sizes.get(key, 0)
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop reading; values read but not taken are dropped. Waits for reads in progress."""
+        with self._cond:
+            self._stopped = True
+            self._results.clear()
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
