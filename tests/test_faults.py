@@ -258,6 +258,51 @@ def test_a_stale_attempt_records_nothing_and_publishes_nothing(in_process: Simpl
     assert store.r.get(store.keys.target(rec_target(rec))) is None  # reservation released
 
 
+def test_a_stale_simulate_attempt_writes_no_checkpoint_over_the_new_owners_run(
+    in_process: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Trainer checkpoints are fenced like a conversion's publication: staged under the attempt,
+    published create-only while the attempt still owns the job."""
+    from fastapi.testclient import TestClient
+    from test_simulator_trainer import config
+
+    from service.app import create_app
+
+    model_dir = tmp_path / "model"
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps(config(checkpoint={"steps": 2}, max_steps=40)))
+    body = {"kind": "simulate", "source": {"uri": str(params)}, "options": {"model_dir": str(model_dir)}}
+    with TestClient(create_app(in_process.settings)) as c:
+        job_id = c.post("/v1/jobs", json=body).raise_for_status().json()["id"]
+    store = in_process.store
+    # A worker whose heartbeat never comes: only the fence can tell it that it lost the job.
+    deaf = in_process.settings.model_copy(update={"heartbeat_seconds": 3600})
+    stale = in_process.tasks.JobRun(store, deaf, job_id)
+    t = _run_in_thread(stale)
+    wait_for(lambda: any(model_dir.glob("*.mdl")), timeout=120)
+    store.r.hset(store.keys.job(job_id), "attempts", "2")
+    store.r.set(store.keys.lease(job_id), "the-new-owner", px=60_000)
+    before_takeover = {p.name for p in model_dir.glob("*.mdl")}
+    t.join(timeout=120)
+    assert not t.is_alive() and stale.lease_lost.is_set()
+    left = {p.name: p.read_bytes() for p in model_dir.glob("*.mdl")}
+    # At most the one save that passed its fence just before the takeover; the run stopped there.
+    assert len(set(left) - before_takeover) <= 1, sorted(set(left) - before_takeover)
+    assert store.get(job_id)["state"] == "running"
+
+    # The new owner died at once too; the next attempt resumes from the latest checkpoint.
+    store.r.delete(store.keys.lease(job_id))
+    in_process.tasks.JobRun(store, in_process.settings, job_id).execute()
+    rec = store.get(job_id)
+    assert rec["state"] == "succeeded" and rec["attempts"] == "3", rec.get("error")
+    result = json.loads(rec["result"])
+    assert result["global_step"] == 40 and result["start_step"] == max(int(n[11:-4]) for n in left)
+    for name, data in left.items():
+        assert (model_dir / name).read_bytes() == data, f"{name} was written over"
+    assert not (model_dir / ".ckptconv-staging").exists()
+    assert not [p for p in model_dir.rglob("*") if p.name.endswith(".tmp")]
+
+
 def rec_target(rec: dict[str, str]) -> str:
     return json.loads(rec["request"])["target"]["uri"]
 

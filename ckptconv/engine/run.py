@@ -170,9 +170,14 @@ def _layout(storage: Storage, target: str, staging: str | None, job_id: str | No
     target = target.rstrip("/")
     parent = parent_of(target)
     if staging is None:
-        attempt = current_attempt(job_id) if job_id else None
-        staging = storage.join(_job_staging(storage, parent, job_id), str(attempt.number if attempt else 0))
+        staging = attempt_staging(storage, parent, job_id)
     return _Layout(storage, target, parent, staging.rstrip("/"))
+
+
+def attempt_staging(storage: Storage, parent: str, job_id: str | None) -> str:
+    """Where the attempt in scope of ``job_id`` stages beside ``parent`` (attempt 0 outside a worker)."""
+    attempt = current_attempt(job_id) if job_id else None
+    return storage.join(_job_staging(storage, parent, job_id), str(attempt.number if attempt else 0))
 
 
 def _job_staging(storage: Storage, parent: str, job_id: str | None) -> str:

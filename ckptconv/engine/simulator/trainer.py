@@ -14,6 +14,7 @@ Cerebras H5 through the format layer to a local directory or ``s3://``.
 
 from __future__ import annotations
 
+import posixpath
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ckptconv.core.errors import Cancelled, InvalidRequest
+from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists
+from ckptconv.core.fencing import current_attempt, fence
 from ckptconv.engine.cs_yaml import read_cs_yaml
+from ckptconv.engine.run import attempt_staging, discard_staging
 from ckptconv.engine.simulator import config as cfg
 from ckptconv.engine.simulator.checkpoint_io import open_checkpoint, read_checkpoint, top_level_keys, write_checkpoint
 from ckptconv.engine.simulator.checkpoint_policy import (
@@ -170,6 +173,55 @@ class _Run:
         self.keep_fifo: list[str] = []
         self.state_counts = [0] * len(policy.save_states)
         self.warnings: list[str] = []
+        # Under a worker: the attempt this run is. Its writes are staged under its own number and
+        # published only while it still owns the job (see ckptconv.core.fencing).
+        self.attempt = current_attempt()
+        self.staging = attempt_staging(self.root_storage, self.root, self.attempt.job_id) if self.attempt else None
+
+    def clear_predecessors(self) -> None:
+        """A takeover removes what the job's earlier attempts left staged (a killed worker's files)."""
+        if self.attempt is not None:
+            fence()
+            discard_staging(self.root_storage.join(self.root, "checkpoint"), self.attempt.job_id)
+
+    def clear_staging(self) -> None:
+        """This attempt's own staging only: a newer attempt may be using the job's other ones."""
+        if self.staging is not None and self.attempt is not None:
+            discard_staging(self.root_storage.join(self.root, "checkpoint"), self.attempt.job_id, self.staging)
+
+    def _write(self, name: Callable[[], str], state: dict[str, Any]) -> str:
+        """Write ``state`` as a checkpoint at ``name()``; returns its URI.
+
+        Under a worker the file is written into this attempt's staging and published create-only,
+        after the fence: an attempt that lost its job stops with LeaseLost before anything of it
+        appears, and nothing is ever written over. A checkpoint name taken meanwhile (the last
+        write of a stale attempt that passed its fence just before the takeover) is chosen again,
+        which gives it the timestamp suffix; a state file's name is fixed and fails TargetExists.
+        """
+        uri = name()
+        if self.staging is None:
+            write_checkpoint(uri, state, cstorch_version=self.release)
+            return uri
+        staged = self.root_storage.join(self.staging, posixpath.basename(uri))
+        write_checkpoint(staged, state, cstorch_version=self.release)
+        try:
+            for _ in range(2):
+                fence()
+                try:
+                    self.root_storage.publish([(staged, uri)])
+                    return uri
+                except TargetExists:
+                    if name() == uri:
+                        raise
+                    uri = name()
+            raise TargetExists(f"{uri} already exists")
+        except BaseException:
+            self.root_storage.delete(staged)
+            raise
+
+    def _fenced_index(self, change: Callable[[str], None], uri: str) -> None:
+        fence()  # a stale attempt must not rewrite the index the job's new owner keeps
+        change(uri)
 
     def state_dict(self, model, optimizer, schedulers, global_step: int, samples: int) -> dict[str, Any]:
         return {
@@ -182,17 +234,19 @@ class _Run:
         }
 
     def save(self, state: dict[str, Any], step: int, *, last_step: bool) -> str:
-        uri = checkpoint_uri(self.root_storage, self.root, self.policy.checkpoint, step, self.now())
-        write_checkpoint(uri, state, cstorch_version=self.release)
+        uri = self._write(
+            lambda: checkpoint_uri(self.root_storage, self.root, self.policy.checkpoint, step, self.now()), state
+        )
         self.saved.append(uri)
-        self.index.append(uri)  # Checkpoint.on_after_save_checkpoint
+        self._fenced_index(self.index.append, uri)  # Checkpoint.on_after_save_checkpoint
         keep = self.policy.keep
         if keep is not None and keep.n is not None:
             self.keep_fifo.append(uri)
             if len(self.keep_fifo) > keep.n:
                 old = self.keep_fifo.pop(0)
+                fence()
                 open_storage(old).delete(old)
-                self.index.remove(old)
+                self._fenced_index(self.index.remove, old)
                 self.deleted.append(old)
         for i, cb in enumerate(self.policy.save_states):
             self.state_counts[i] += 1
@@ -208,8 +262,7 @@ class _Run:
             subset = read_checkpoint(source, keys)
         finally:
             source.close()
-        uri = self.root_storage.join(self.root, cb.file_name(ckpt_uri))
-        write_checkpoint(uri, subset, cstorch_version=self.release)
+        uri = self._write(lambda: self.root_storage.join(self.root, cb.file_name(ckpt_uri)), subset)
         self.state_files.append(uri)
 
 
@@ -254,9 +307,11 @@ def simulate(
     run = _Run(config_doc, model_cfg, policy, model_dir, release=release, now=now)
     started = time.perf_counter()
     try:
+        run.clear_predecessors()
         hooks = _Hooks(on_step, cancelled)
         result = _train(run, model_cfg, config_doc, max_steps, batch, seq, run_seed, ckpt_path, stop_after, hooks)
     finally:
+        run.clear_staging()
         run.index.release_lock_file()
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
