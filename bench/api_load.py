@@ -3,16 +3,20 @@ Redis + Celery hot path, measured in the same run.
 
     .venv/bin/python -m bench.api_load [--duration 10] [--runs 3] [--connections 50]
 
-Both sides run 2 uvicorn workers against the same Redis; 50 connections load them with ``wrk``
-(``apt-get install wrk``) or, when wrk is missing, an asyncio/httpx generator in its own process
-(which competes for the same two cores, so figures are lower).
+ckptconv runs as production runs it (``ckptconv serve --workers 2``: uvicorn with uvloop and
+httptools, no access log); the bare app runs under the same uvicorn settings, against the same
+Redis. 50 connections load them with ``wrk`` (``apt-get install wrk``) or, when wrk is missing, an
+asyncio/httpx generator in its own process (which competes for the same two cores, so figures are
+lower).
 
 - bare POST: pydantic validation, one HSET, one Celery ``send_task``; bare GET: one HGETALL.
 - ckptconv POST /v1/jobs: API-key auth (hashed, cached), the per-key rate limit (one Redis round
-  trip per share of the budget, not per request), the body limit, validation, scope checks, an
-  Idempotency-Key per request (one EXISTS), the target checked for existing data (a local stat and
-  listing, in a thread, bounded in time), and one Redis script (record + indexes + idempotency record + the
-  Celery message); GET /v1/jobs/{id}: auth, rate limit, one HGETALL, the job resource.
+  trip per share of the budget, not per request), the body limit, validation, scope checks (local
+  paths resolved through symlinks), an Idempotency-Key per request, the target checked for existing
+  data (here local paths: one lstat for a new target; S3 targets take a HEAD and a listing in a
+  thread, bounded in time), and one Redis script (Idempotency-Key record + target reservation +
+  record + indexes + the Celery message); GET /v1/jobs/{id}: auth, rate limit, one HGETALL, the job
+  resource.
 
 No worker runs: messages pile up in queues under a prefix of this run, deleted at the end. Prints
 the median of ``--runs`` runs of each case and the ratios; never asserts on time. Loopback only,
@@ -272,9 +276,7 @@ def main() -> int:
     from ckptconv.core.auth import hash_key
 
     tmp = Path(tempfile.mkdtemp(prefix="ckptconv-bench-"))
-    (tmp / "keys.yaml").write_text(
-        f"keys:\n  - name: bench\n    sha256: {hash_key(KEY)}\n    prefixes: ['{tmp}/']\n"
-    )
+    (tmp / "keys.yaml").write_text(f"keys:\n  - name: bench\n    sha256: {hash_key(KEY)}\n    prefixes: ['{tmp}/']\n")
     run_id = uuid.uuid4().hex[:8]
     prefix_ours = f"ckptconv-bench-{run_id}:"
     prefix_bare = f"ckptconv-bench-bare-{run_id}:"
@@ -290,13 +292,16 @@ def main() -> int:
         "CKPTCONV_RATE_LIMIT_PER_SECOND": "1000000",
     }
     bare_env = {**base_env, "BENCH_PREFIX": prefix_bare, "BENCH_REDIS_URL": args.redis_url}
-    uvicorn = [sys.executable, "-m", "uvicorn", "--factory", "--workers", "2", "--log-level", "warning"]
+    # ckptconv as production starts it (Dockerfile, docker-compose.yml); the bare app with the same
+    # uvicorn settings (2 processes, uvloop and httptools when installed, no access log).
+    serve = [sys.executable, "-m", "ckptconv", "serve", "--host", "127.0.0.1", "--workers", "2"]
+    uvicorn = [sys.executable, "-m", "uvicorn", "--factory", "--workers", "2", "--log-level", "info"]
     uvicorn += ["--no-access-log", "--host", "127.0.0.1"]
     servers: list[Server] = []
     results: dict[str, list[dict[str, float]]] = {}
     try:
         p_ours, p_bare = free_port(), free_port()
-        ours_args = [*uvicorn, "--port", str(p_ours), "service.app:create_app"]
+        ours_args = [*serve, "--port", str(p_ours)]
         servers.append(Server("ckptconv", ours_args, ours_env, p_ours, tmp))
         servers.append(
             Server("bare", [*uvicorn, "--port", str(p_bare), "bench.api_load:bare_app"], bare_env, p_bare, tmp)

@@ -159,6 +159,43 @@ def test_idempotency_key_replays_rejects_other_bodies_and_is_per_api_key(api) ->
     assert other.status_code == 202 and other.json()["id"] != first.json()["id"]
 
 
+def test_local_targets_with_data_are_409_and_a_retry_still_gets_its_job(api, tmp_path: Path) -> None:
+    key, _ = create_key(api.redis, api.keys, "local", [f"{tmp_path}/"])
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def submit(target: str, fmt: str = "cs-h5", idem: str | None = None):
+        body = {
+            "kind": "convert",
+            "source": {"uri": f"{tmp_path}/in.safetensors"},
+            "target": {"uri": target, "format": fmt},
+        }
+        return api.client.post("/v1/jobs", json=body, headers={**auth, **({"Idempotency-Key": idem} if idem else {})})
+
+    (tmp_path / "file.mdl").write_bytes(b"earlier bytes")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "model.mdl").write_bytes(b"")
+    (tmp_path / "tf").mkdir()
+    (tmp_path / "tf" / "model.index").write_bytes(b"")
+    for target, fmt in (
+        (f"{tmp_path}/file.mdl", "cs-h5"),
+        (f"{tmp_path}/dir", "cs-s3"),
+        (f"{tmp_path}/tf/model", "tf"),
+    ):
+        assert_problem(submit(target, fmt), 409, "target_taken")
+    assert submit(f"{tmp_path}/tf/model", "safetensors").status_code == 202  # only a TF bundle is named by its prefix
+    assert (tmp_path / "file.mdl").read_bytes() == b"earlier bytes"
+
+    # The job made by a request is that request's answer even after the job wrote its target.
+    first = submit(f"{tmp_path}/new/model.mdl", idem="retry-1")
+    assert first.status_code == 202, first.text
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "model.mdl").write_bytes(b"the job's output")
+    again = submit(f"{tmp_path}/new/model.mdl", idem="retry-1")
+    assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    assert_problem(submit(f"{tmp_path}/new/model.mdl", idem="retry-2"), 409, "target_taken")
+
+
 def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     # No worker consumes the interactive queue, so a dry run waits plan_timeout_seconds (1 s) and
     # then answers 503; meanwhile its Idempotency-Key is in flight.

@@ -22,7 +22,15 @@ from fastapi.responses import StreamingResponse
 
 from ckptconv.core import webhooks
 from ckptconv.core.auth import Principal
-from ckptconv.core.errors import Cancelled, Conflict, InvalidRequest, NotFound, ServiceUnavailable, TargetTaken
+from ckptconv.core.errors import (
+    Cancelled,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    StorageUnavailable,
+    TargetTaken,
+)
 from ckptconv.core.jobstore import TERMINAL, job_resource, new_job_id, new_record, now_ms
 from ckptconv.jobs.kinds import get_kind
 from service.deps import AppState, Authorized, IdempotencyKey, fingerprint, idempotency_record_key
@@ -74,10 +82,15 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
     if body.webhook is not None:
         await webhooks.check_at_submit(body.webhook.url, settings.webhook_allow_private_networks)
     record_key = idempotency_record_key(state, caller, idempotency_key) if idempotency_key else None
-    # A retried request whose job was created answers from its record (below), even though that job
-    # may have written the target since.
-    if target_doc is not None and kind.new_target and not (record_key and await state.redis.exists(record_key)):
-        await refuse_existing_target(target_doc, settings.target_check_timeout_seconds)
+    if target_doc is not None and kind.new_target:
+        try:
+            await refuse_existing_target(target_doc, settings.target_check_timeout_seconds)
+        except (TargetTaken, StorageUnavailable):
+            # A retried request whose job was created answers from its record (the script below
+            # replays it), even though that job may have written the target since or the store is
+            # failing now. Asked only here, so that a new submission pays no Redis round trip for it.
+            if not (record_key and await state.redis.exists(record_key)):
+                raise
     job_id = new_job_id()
     created = now_ms()
     request_doc = {
