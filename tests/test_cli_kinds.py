@@ -134,3 +134,11 @@ def test_the_engines_python_defaults_are_the_kinds() -> None:
             assert default == info.default, f"{kind_name}.{option}: engine {default!r}, model {info.default!r}"
             compared += 1
     assert compared >= 20
+
+
+def test_a_models_own_check_keeps_its_typed_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # The options model checks a model name with the layout registry; its error keeps code and hint.
+    argv = ["convert-model", "x.safetensors", "--model", "no-such-model", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "[unknown_model]" in err and "ckptconv models" in err

@@ -23,7 +23,7 @@ import annotated_types
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from ckptconv.core.errors import InvalidRequest
+from ckptconv.core.errors import CkptconvError, InvalidRequest
 from ckptconv.jobs.kinds import JobKind, get_kind
 
 DTYPE_SHORTHANDS = {
@@ -249,10 +249,25 @@ def kind_options(args: argparse.Namespace, kind_name: str) -> BaseModel:
     try:
         options = kind.options.model_validate(raw, strict=False)
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            option = str(err["loc"][0]) if err["loc"] else ""
-            where = flags_of(kind_name, option) if option in kind.options.model_fields else option
-            problems.append(f"{where}: {str(err['msg']).removeprefix('Value error, ')}")
-        raise InvalidRequest("; ".join(problems), hint="see --help for the accepted values") from None
+        raise _refusal(kind_name, e) from None
     return options.model_copy(update=unchecked)
+
+
+def _refusal(kind_name: str, e: ValidationError) -> CkptconvError:
+    """One error for the values a model refused: the typed error of a model's own check (an unknown
+    model name is ``unknown_model`` with its hint) when it is the only one, else one line per flag."""
+    fields = get_kind(kind_name).options.model_fields
+    problems: dict[str, str] = {}
+    typed: list[CkptconvError] = []
+    for err in e.errors():
+        option = str(err["loc"][0]) if err["loc"] else ""
+        where = flags_of(kind_name, option) if option in fields else option
+        # One line per flag: of a union's errors (a size: a number or "5GB") the last, the text's.
+        problems[where] = str(err["msg"]).removeprefix("Value error, ")
+        cause = getattr((err.get("ctx") or {}).get("error"), "__cause__", None)
+        if isinstance(cause, CkptconvError):
+            typed.append(cause)
+    if len(problems) == 1 and len(typed) == 1:
+        return typed[0]
+    message = "; ".join(f"{where}: {msg}" for where, msg in problems.items())
+    return InvalidRequest(message, hint="see --help for the accepted values")

@@ -154,7 +154,7 @@ class ConvertOptions(KindOptions):
         try:
             parse_size(value)
         except CkptconvError as e:
-            raise ValueError(e.message) from None
+            raise ValueError(e.message) from e  # the typed error stays the cause (the CLI reports it)
         return value
 
 
@@ -210,7 +210,7 @@ class ConvertModelOptions(KindOptions):
         try:
             is_known_model(value)
         except CkptconvError as e:
-            raise ValueError(e.message) from None
+            raise ValueError(e.message) from e  # the typed error stays the cause (the CLI reports it)
         return value
 
     @field_validator("src_fmt", "tgt_fmt")
@@ -221,7 +221,7 @@ class ConvertModelOptions(KindOptions):
         try:
             parse_model_format(value, side="source" if info.field_name == "src_fmt" else "target")
         except CkptconvError as e:
-            raise ValueError(e.message) from None
+            raise ValueError(e.message) from e  # the typed error stays the cause (the CLI reports it)
         return value
 
     @field_validator("hf_shard_size")
@@ -241,7 +241,7 @@ def _check_model(value: str | None) -> str | None:
     try:
         resolve(value)
     except CkptconvError as e:
-        raise ValueError(e.message) from None
+        raise ValueError(e.message) from e  # the typed error stays the cause (the CLI reports it)
     return value
 
 
