@@ -41,6 +41,7 @@ from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype
 if TYPE_CHECKING:
     import torch
 
+    from ckptconv.formats.layout import FileLayout
     from ckptconv.formats.tree import TreeSpec
     from ckptconv.storage.base import Storage
 
@@ -213,26 +214,66 @@ class TensorSink(abc.ABC):
 
     def write(self, key: str, value: Any) -> None:
         """Write the value of the next announced non-link entry."""
-        self._require(f"write({key!r})")
-        expected = self._write_order[self._writes_done] if self._writes_done < len(self._write_order) else None
-        if key != expected:
-            raise SinkProtocolError(
-                f"{self.format} sink: write({key!r}) out of order; expected {expected!r}", key=key, expected=expected
-            )
+        self._require_due(f"write({key!r})", key)
         self._write(key, value)
         self._writes_done += 1
 
     def commit(self) -> list[OutputFile]:
         """Publish what was written (every announced entry); returns the files written."""
-        self._require("commit()")
+        self._require_all_written("commit()")
+        self._state = "committed"
+        return self._commit()
+
+    # An output written by several processes (ckptconv.engine.fanout), for formats whose byte
+    # layout is known before any value (see ckptconv.formats.layout): the sink writes everything but
+    # the values of ``placed_keys()``, each of which is ``reserve``d in its turn instead of written;
+    # ``finish_skeleton`` then returns each file's layout and gap bytes, for the processes that
+    # write the values in place.
+
+    def placed_keys(self) -> set[str]:
+        """Entries whose bytes have a place known up front (after ``begin``); none by default."""
+        return set()
+
+    def reserve(self, key: str) -> None:
+        """Stand for ``write(key, ...)`` of a placed entry whose bytes another process writes."""
+        self._require_due(f"reserve({key!r})", key)
+        if key not in self.placed_keys():
+            raise SinkProtocolError(f"{self.format} sink: {key!r} has no place known up front", key=key)
+        self._reserve(key)
+        self._writes_done += 1
+
+    def finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
+        """Every entry written or reserved: each output file's layout and gap bytes."""
+        self._require_all_written("finish_skeleton()")
+        self._state = "committed"
+        return self._finish_skeleton()
+
+    def side_files(self) -> list[OutputFile]:
+        """Files ``finish_skeleton`` wrote whole (an index), with their checksums."""
+        return []
+
+    def _reserve(self, key: str) -> None:
+        raise SinkProtocolError(f"{self.format} sink: no value can be placed by another process")
+
+    def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
+        raise SinkProtocolError(f"{self.format} sink: the byte layout is not known up front")
+
+    def _require_due(self, call: str, key: str) -> None:
+        self._require(call)
+        expected = self._write_order[self._writes_done] if self._writes_done < len(self._write_order) else None
+        if key != expected:
+            raise SinkProtocolError(
+                f"{self.format} sink: {call} out of order; expected {expected!r}", key=key, expected=expected
+            )
+
+    def _require_all_written(self, call: str) -> None:
+        self._require(call)
         if self._writes_done != len(self._write_order):
             raise SinkProtocolError(
-                f"{self.format} sink: commit() after {self._writes_done} of {len(self._write_order)} writes; "
+                f"{self.format} sink: {call} after {self._writes_done} of {len(self._write_order)} writes; "
                 f"{self._write_order[self._writes_done]!r} is still due",
                 key=self._write_order[self._writes_done],
             )
-        self._state = "committed"
-        return self._commit()
 
     def abort(self) -> None:
         """Leave nothing at the target; harmless in any state and when repeated."""

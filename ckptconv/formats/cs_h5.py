@@ -55,6 +55,7 @@ from ckptconv.formats.cs_h5_contiguous import (
     META_BYTES_PER_DATASET,
     LocalPlacement,
     Region,
+    SkeletonOnly,
     StreamedPlacement,
     create_contiguous,
     region_of,
@@ -74,6 +75,7 @@ from ckptconv.formats.cs_serializers import (
     stored_numpy_dtype,
     tensor_metadata,
 )
+from ckptconv.formats.layout import FileLayout, Span, gap_bytes
 from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks
@@ -307,7 +309,11 @@ class CsH5Sink(CerebrasSink):
     def __init__(self, storage: Any, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
         remote = storage.local_path(uri) is None
-        self.chunking = options.get("chunking") or ("contiguous" if remote else "fast")
+        # Only the metadata (a skeleton): the datasets' bytes are written by other processes.
+        self.skeleton = bool(options.get("skeleton", False))
+        self.chunking = (
+            "contiguous" if self.skeleton else options.get("chunking") or ("contiguous" if remote else "fast")
+        )
         if self.chunking not in ("fast", "h5py", "contiguous"):
             raise ValueError(f"chunking must be 'fast', 'h5py' or 'contiguous', not {self.chunking!r}")
         self.part_size = int(options.get("part_size", DEFAULT_PART_SIZE))
@@ -365,7 +371,9 @@ class CsH5Sink(CerebrasSink):
         self._on_h5_thread(self._create, root_spec_text(spec))
         if self.chunking == "contiguous":
             self._regions = self._on_h5_thread(self._allocate)
-            if self._tmp_dir is None:
+            if self.skeleton:
+                self._placement = SkeletonOnly()
+            elif self._tmp_dir is None:
                 self._placement = LocalPlacement(self._tmp_path)
             else:
                 from ckptconv.storage.part_upload import PartUpload
@@ -412,6 +420,47 @@ class CsH5Sink(CerebrasSink):
         attrs["__cstorch_version__"] = self.cstorch_version
         self._writer = ChunkWriter(threads=self.threads, mode=self.lz4)
 
+    # --- the layout, for outputs written by several processes (ckptconv.engine.fanout) --------------
+
+    def placed_keys(self) -> set[str]:
+        """Entries whose bytes are a preallocated dataset region (after ``begin`` of a skeleton)."""
+        return set(self._regions) if self.skeleton else set()
+
+    def _reserve(self, key: str) -> None:
+        """Its record is known from its dtype and shape alone; its bytes go to its region."""
+        entry = self._due[key]
+        if key not in self._regions:
+            raise ConversionError(f"{key!r} has no preallocated dataset to reserve")
+        shape = tuple(entry.shape or ())
+        md = (
+            tensor_metadata(entry.dtype, shape) if entry.kind == "tensor" else array_metadata(entry.dtype == "bfloat16")
+        )
+        self._records[key] = md
+
+    def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
+        """The file's layout and the bytes of its gaps (all its metadata). A local output is the
+        skeleton itself, placed at the sink's URI for the processes that write its datasets; a
+        remote one keeps nothing here (the gaps are returned)."""
+        if not self.skeleton or self._tmp_path is None:
+            raise ConversionError("a skeleton needs a sink created with skeleton=True")
+        self._on_h5_thread(self._finish, self._record_texts())
+        self._close_file()
+        size = os.path.getsize(self._tmp_path)
+        spans = [Span(k, k, r.offset, r.nbytes) for k, r in self._regions.items() if r.nbytes]
+        layout = FileLayout(self.uri, size, sorted(spans, key=lambda s: s.offset))
+        with open(self._tmp_path, "rb") as f:
+            gaps = gap_bytes(layout, lambda start, end: os.pread(f.fileno(), end - start, start))
+        try:
+            if self._tmp_dir is None:
+                self.storage.publish([(self._tmp_path, self.uri)])
+                self._placed_skeleton = True
+        except BaseException:
+            self.abort()
+            raise
+        self._placement = None
+        self._cleanup_tmp()
+        return [(layout, gaps)]
+
     def _commit(self) -> list[OutputFile]:
         assert self._tmp_path is not None
         self._on_h5_thread(self._finish, self._record_texts())
@@ -454,6 +503,9 @@ class CsH5Sink(CerebrasSink):
         return [OutputFile(self.uri, size, sha256, "data")]
 
     def _abort(self) -> None:
+        if getattr(self, "_placed_skeleton", False):
+            self._placed_skeleton = False
+            self.storage.delete(self.uri)
         placement, self._placement = self._placement, None
         try:
             if placement is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from ckptconv.storage.local import pwrite_all
 from ckptconv.storage.part_upload import PartUpload
 
 # The metadata block of a contiguous file: room for each dataset's object header and attributes
@@ -66,7 +67,7 @@ class LocalPlacement:
         self._fd = os.open(path, os.O_WRONLY)
 
     def place(self, region: Region, data: memoryview) -> None:
-        _pwrite_all(self._fd, data, region.offset)
+        pwrite_all(self._fd, data, region.offset)
 
     def finish(self, path: str, size: int) -> None:
         self.close()
@@ -75,6 +76,17 @@ class LocalPlacement:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class SkeletonOnly:
+    """No dataset bytes here: a skeleton whose datasets other processes fill (every region is
+    reserved, never placed)."""
+
+    def place(self, region: Region, data: memoryview) -> None:
+        raise RuntimeError("a skeleton sink places no dataset bytes")
+
+    def close(self) -> None:
+        pass
 
 
 class StreamedPlacement:
@@ -101,7 +113,7 @@ class StreamedPlacement:
             if number in self._pure:
                 self.upload.write_at(pos, piece)
             else:
-                _pwrite_all(self._fd, piece, pos)
+                pwrite_all(self._fd, piece, pos)
             pos += take
 
     def finish(self, path: str, size: int) -> None:
@@ -148,20 +160,13 @@ def _pure_parts(regions: list[Region], upload: PartUpload) -> set[int]:
     return pure
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
-
-
 __all__ = [
     "META_BLOCK_BASE",
     "META_BLOCK_MAX",
     "META_BYTES_PER_DATASET",
     "LocalPlacement",
     "Region",
+    "SkeletonOnly",
     "StreamedPlacement",
     "create_contiguous",
     "region_of",

@@ -49,6 +49,7 @@ from ckptconv.formats.base import (
     TensorSource,
     dtype_name,
 )
+from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.sharding import (
     RECORD_KEY,
@@ -69,6 +70,7 @@ from ckptconv.formats.sharding import (
 )
 from ckptconv.formats.signatures import JSON_WHITESPACE, SAFETENSORS_MAX_HEADER
 from ckptconv.formats.tree import TreeSpec
+from ckptconv.storage.part_upload import open_output_writer
 
 if TYPE_CHECKING:
     from ckptconv.storage.base import Storage
@@ -308,6 +310,14 @@ class _File:
     header: bytes
     regions: list[_Region]
 
+    def layout(self) -> FileLayout:
+        """Header first, then every region in order, exactly tiling the data area."""
+        spans, offset = [], len(self.header)
+        for r in self.regions:
+            spans.append(Span(r.key, r.source, offset, r.nbytes))
+            offset += r.nbytes
+        return FileLayout(self.uri, offset, spans)
+
 
 class SafetensorsSink(ShardedSink):
     """Writes ``model.safetensors`` or shards + index under a directory/prefix, or one named file.
@@ -331,6 +341,7 @@ class SafetensorsSink(ShardedSink):
         self._writer: Any = None
         self._index: tuple[str, bytes] | None = None
         self._dtypes: dict[str, str] = {}
+        self._skeletons: list[str] = []  # preallocated files _finish_skeleton created (abort removes them)
 
     @classmethod
     def check(cls, entries: Any) -> None:
@@ -405,7 +416,7 @@ class SafetensorsSink(ShardedSink):
                 self._outputs.close(self._writer)
             self._current = 0 if self._current is None else self._current + 1
             f = self._files[self._current]
-            self._writer = self._outputs.create(f.uri)
+            self._writer = self._outputs.create(f.uri, size=f.layout().size)
             self._writer.write(f.header)
         return self._writer
 
@@ -422,3 +433,40 @@ class SafetensorsSink(ShardedSink):
 
     def _abort(self) -> None:
         self._outputs.abort()
+        skeletons, self._skeletons = self._skeletons, []
+        for uri in skeletons:
+            self.storage.delete(uri)
+
+    # --- the layout, for outputs written by several processes (ckptconv.engine.fanout) --------------
+
+    def placed_keys(self) -> set[str]:
+        """Entries whose bytes are spans of a file; the others live in headers."""
+        return set(self._regions_of)
+
+    def _reserve(self, key: str) -> None:
+        pass  # the header, computed at begin, already holds the entry
+
+    def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
+        """Each file's layout and gap bytes (its header). A local output file is created
+        preallocated with its header in place, for the processes that write its spans; the index
+        (when sharded) is written whole."""
+        out = []
+        try:
+            for f in self._files:
+                layout = f.layout()
+                if self.storage.local_path(f.uri) is not None:
+                    with open_output_writer(self.storage, f.uri, layout.size) as writer:
+                        writer.write(f.header)
+                    self._skeletons.append(f.uri)
+                out.append((layout, f.header))
+            if self._index is not None:
+                uri, text = self._index
+                self._outputs.create(uri, role="index").write(text)
+            self._outputs.commit()
+        except BaseException:
+            self.abort()
+            raise
+        return out
+
+    def side_files(self) -> list[OutputFile]:
+        return [f for f in self._outputs.done if f.role != "data"]

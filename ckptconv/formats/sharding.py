@@ -332,8 +332,8 @@ class OutputSet:
         self.open: list[HashingWriter] = []
         self.done: list[OutputFile] = []
 
-    def create(self, uri: str, role: str = "data") -> HashingWriter:
-        w = HashingWriter(open_output_writer(self.storage, uri), role)
+    def create(self, uri: str, role: str = "data", size: int | None = None) -> HashingWriter:
+        w = HashingWriter(open_output_writer(self.storage, uri, size), role)
         self.open.append(w)
         return w
 

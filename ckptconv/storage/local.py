@@ -175,6 +175,26 @@ class LocalWriter(Writer):
         self._written += n
         return n
 
+    def preallocate(self, size: int) -> None:
+        """Reserve the file's ``size`` bytes now (one extent instead of growth write by write; a full
+        disk fails here, before any data moves). Sequential writes then fill it from the start."""
+        with _os_errors(self.uri, reading=False):
+            self._file.flush()
+            try:
+                os.posix_fallocate(self._file.fileno(), 0, size)
+            except OSError as e:  # filesystems without fallocate (some FUSE mounts): a sparse file
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                os.ftruncate(self._file.fileno(), size)
+
+    def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Place ``data`` at ``offset`` of the temp file (a positioned write; the stream position stays)."""
+        if self._state != "open":
+            raise ValueError(f"write to a {self._state} writer for {self.uri}")
+        with _os_errors(self.uri, reading=False):
+            self._file.flush()
+            pwrite_all(self._file.fileno(), memoryview(data), offset)
+
     def commit(self) -> ObjectInfo:
         if self._state == "committed":
             assert self._info is not None
@@ -204,6 +224,41 @@ class LocalWriter(Writer):
             self._file.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._tmp)
+
+
+class LocalPatch:
+    """Positioned writes into an existing file (several processes filling one preallocated output,
+    each its own byte ranges). Never creates the file: a writer that comes late, after its output
+    was discarded, fails instead of leaving a file behind."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        with _os_errors(uri, reading=False):
+            self._fd = os.open(local_path_of(uri), os.O_WRONLY)
+
+    def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        with _os_errors(self.uri, reading=False):
+            pwrite_all(self._fd, memoryview(data), offset)
+
+    def close(self, *, sync: bool = True) -> None:
+        if self._fd < 0:
+            return
+        fd, self._fd = self._fd, -1
+        try:
+            if sync:
+                with _os_errors(self.uri, reading=False):
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``data`` is at ``offset`` onwards."""
+    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
 
 class LocalStorage(Storage):

@@ -47,6 +47,7 @@ class PartUpload:
         part_size: int = DEFAULT_PART_SIZE,
         concurrency: int = DEFAULT_CONCURRENCY,
         overwrite: bool = False,
+        upload_id: str | None = None,
     ) -> None:
         from ckptconv.storage.s3 import MAX_PART_SIZE, MIN_PART_SIZE
 
@@ -63,7 +64,13 @@ class PartUpload:
         self._slots = threading.BoundedSemaphore(max(1, concurrency))
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="s3-part")
         self._state = "open"
-        self._upload_id: str | None = None
+        # Given: this process fills some parts of an upload another one created and completes.
+        self._upload_id: str | None = upload_id
+
+    @property
+    def upload_id(self) -> str:
+        """The multipart upload's id, creating the upload if it was not yet."""
+        return self._start()
 
     def _start(self) -> str:
         if self._upload_id is None:
@@ -191,6 +198,47 @@ class PartUpload:
         etag = r.get("ETag")
         return ObjectInfo(uri=self.uri, size=size, etag=etag.strip('"') if etag else None)
 
+    def flush(self, size: int) -> list[dict[str, Any]]:
+        """Send the parts this process filled (the short last one of an object of ``size`` bytes
+        too, when it holds it) and wait for them, without completing: another process completes the
+        upload with every process's parts (see :meth:`complete_parts`). Returns ``PartNumber`` and
+        ``ETag`` of each part sent here. A part left half filled is an error."""
+        try:
+            last = self.part_of(size - 1)
+            start, _ = self.part_bounds(last)
+            tail = self._open.pop(last, None)
+            if tail is not None and tail[1] == size - start:
+                self._send(last, memoryview(tail[0])[: size - start])
+            if self._open:
+                raise StorageError(f"{self.uri}: parts {sorted(self._open)[:5]} were not completely written")
+            parts = sorted((f.result() for f in self._futures), key=lambda p: p["PartNumber"])
+        except BaseException:
+            self._state = "aborted"
+            self._pool.shutdown(wait=True)
+            raise
+        self._state = "flushed"
+        self._pool.shutdown(wait=True)
+        return parts
+
+    def complete_parts(self, parts: list[dict[str, Any]], size: int) -> ObjectInfo:
+        """Complete the upload from parts sent by any process (create-only; idempotent once done)."""
+        numbers = [p["PartNumber"] for p in parts]
+        expected = list(range(1, self.part_of(size - 1) + 1)) if size else [1]
+        if sorted(numbers) != expected:
+            raise StorageError(f"{self.uri}: parts {sorted(numbers)[:5]}... do not make parts 1..{expected[-1]}")
+        r = self._storage.complete_upload(
+            self.uri,
+            self._bucket,
+            self._key,
+            self._start(),
+            sorted(parts, key=lambda p: p["PartNumber"]),
+            overwrite=self._overwrite,
+        )
+        self._state = "completed"
+        self._pool.shutdown(wait=True)
+        etag = r.get("ETag")
+        return ObjectInfo(uri=self.uri, size=size, etag=etag.strip('"') if etag else None)
+
     def _put_whole(self, size: int) -> ObjectInfo:
         """An object within the first part: one create-only PutObject, as a streaming writer sends it."""
         buf, filled = self._open.pop(1, (bytearray(), 0))
@@ -255,12 +303,21 @@ class PartWriter(Writer):
         self._upload.abort()
 
 
-def open_output_writer(storage: Storage, uri: str) -> Writer:
-    """The writer for one output file: concurrent part uploads on S3, the storage's own elsewhere."""
+def open_output_writer(storage: Storage, uri: str, size: int | None = None) -> Writer:
+    """The writer for one output file: concurrent part uploads on S3, the storage's own elsewhere
+    (a local file of a known ``size`` is preallocated first)."""
     if storage.scheme == "s3":
         upload = PartUpload(storage, uri, part_size=DEFAULT_PART_SIZE, concurrency=DEFAULT_CONCURRENCY)  # type: ignore[arg-type]
         return PartWriter(upload)
-    return storage.open_writer(uri)
+    writer = storage.open_writer(uri)
+    preallocate = getattr(writer, "preallocate", None)
+    if size and preallocate is not None:
+        try:
+            preallocate(size)
+        except BaseException:
+            writer.abort()
+            raise
+    return writer
 
 
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "PartUpload", "PartWriter", "open_output_writer"]
