@@ -78,11 +78,12 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.fencing import Attempt, attempt_scope
 from ckptconv.core.jobstore import TERMINAL, JobStore, encode_field, iso, job_resource, now_ms
-from ckptconv.core.scopes import NOTHING, Scopes
+from ckptconv.core.scopes import record_scopes
 from ckptconv.core.webhooks import sign
 from ckptconv.engine.convert import inspect as inspect_checkpoint
 from ckptconv.storage.confined import scoped
 from worker.celery_app import app, settings, store
+from worker.parts import RedisPartRunner
 
 log = logging.getLogger("ckptconv.worker")
 
@@ -181,7 +182,11 @@ class JobRun:
         limit = TimeLimitExceeded(f"the job ran past max_runtime_seconds={request['max_runtime_seconds']}")
         try:
             ctx = jobs.context_from_request(
-                {"kind": rec["kind"], **request}, self.job_id, progress=self._progress, cancelled=self._cancelled
+                {"kind": rec["kind"], **request},
+                self.job_id,
+                progress=self._progress,
+                cancelled=self._cancelled,
+                parts=RedisPartRunner(self.store, self.settings, self.job_id, self.attempt),
             )
             module = jobs.handler(ctx.kind)
         except Exception as e:  # e.g. a kind this worker's version does not know
@@ -369,17 +374,6 @@ def plan(reply_key: str, payload: dict[str, Any]) -> None:
 def inspect(reply_key: str, payload: dict[str, Any]) -> None:
     with scoped(record_scopes(payload)):
         _reply(reply_key, lambda: inspect_checkpoint(payload["uri"], source_format=payload.get("format")))
-
-
-def record_scopes(doc: dict[str, Any]) -> Scopes:
-    """The scopes a job record or a dry-run payload carries (JSON in a record; ``None``: every location).
-
-    One written without scopes (by an older API) grants nothing: confinement fails closed.
-    """
-    if "scopes" not in doc:
-        return NOTHING
-    value = doc["scopes"]
-    return Scopes.from_record(json.loads(value) if isinstance(value, str) else value)
 
 
 # --- webhooks --------------------------------------------------------------------------------

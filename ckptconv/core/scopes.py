@@ -21,10 +21,12 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptconv.core.errors import Forbidden, InvalidRequest, PathEscape
 from ckptconv.core.uri import local_path_of, scheme_of
@@ -197,3 +199,14 @@ class Scopes:
 
 UNRESTRICTED = Scopes(None)
 NOTHING = Scopes(())
+
+
+def record_scopes(doc: Mapping[str, Any]) -> Scopes:
+    """The scopes a job record or a dry-run payload carries (JSON in a record; ``None``: every location).
+
+    One written without scopes (by an older API) grants nothing: confinement fails closed.
+    """
+    if "scopes" not in doc:
+        return NOTHING
+    value = doc["scopes"]
+    return Scopes.from_record(json.loads(value) if isinstance(value, str) else value)

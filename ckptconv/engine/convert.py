@@ -16,6 +16,7 @@ from typing import Any
 from ckptconv.core.errors import CkptconvError, InvalidRequest, KeyCollision, UnsupportedValue
 from ckptconv.core.sizes import parse_size
 from ckptconv.engine.execute import Progress
+from ckptconv.engine.fanout import PartRunner, run_fanout, run_part
 from ckptconv.engine.plan import Plan, identity_plan
 from ckptconv.engine.run import ConvertResult, jsonable, run_plan, source_facts
 from ckptconv.formats import sink_class
@@ -24,7 +25,7 @@ from ckptconv.formats.sharding import plan_shards
 from ckptconv.formats.tf_names import cerebras_keys, tf_name
 from ckptconv.formats.tree import DICT, ODICT, TreeSpec
 
-__all__ = ["convert", "inspect", "plan_conversion"]
+__all__ = ["convert", "convert_part", "inspect", "plan_conversion"]
 
 CEREBRAS_FORMATS = ("cs-h5", "cs-s3")
 
@@ -95,11 +96,16 @@ def convert(
     allow_incomplete: bool | None = None,
     shard_by: list[str] | None = None,
     memory_budget: int | str | None = None,
+    parallelism: int = 1,
+    parts: PartRunner | None = None,
 ) -> ConvertResult:
     """Container conversion: every entry of ``source`` written to ``target`` in format ``to``.
 
     ``shard_by`` (TensorFlow targets): glob patterns of weight names, one data file per pattern in
     that order (a tensor goes to the first pattern it matches), the rest in a last file.
+    ``parallelism`` > 1 cuts the output into that many parts by bytes (safetensors and cs-h5
+    targets; see :mod:`ckptconv.engine.fanout`), which ``parts`` hands out to workers (default:
+    all of them in this process, one after another).
     """
     to = to or target_format_from_name(target)
     if to is None:
@@ -110,23 +116,49 @@ def convert(
     try:
         plan = with_tf_names(identity_plan(src.entries(), src.spec, dtype=dtype), src.format, to)
         planned = time.monotonic() - t0
-        result = run_plan(
-            plan,
-            src,
-            to=to,
-            target=target,
-            sink_options=_sink_options(to, shard_size, shard_by),
-            staging=staging,
-            progress=progress,
-            cancelled=cancelled,
-            job_id=job_id,
-            verify=verify,
-            memory_budget=memory_budget,
-        )
+        common: dict[str, Any] = {
+            "to": to,
+            "target": target,
+            "sink_options": _sink_options(to, shard_size, shard_by),
+            "staging": staging,
+            "progress": progress,
+            "cancelled": cancelled,
+            "job_id": job_id,
+            "verify": verify,
+        }
+        if parallelism > 1:
+            result = run_fanout(plan, src, parallelism=parallelism, runner=parts, **common)
+        else:
+            result = run_plan(plan, src, memory_budget=memory_budget, **common)
     finally:
         src.close()
     result.timings.setdefault("plan_s", round(planned, 3))
     return result
+
+
+def convert_part(
+    source: str,
+    target: str,
+    index: int,
+    *,
+    to: str,
+    source_format: str | None = None,
+    dtype: str | None = None,
+    job_id: str | None = None,
+    staging: str | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    parts: PartRunner | None = None,
+) -> bool:
+    """Part ``index`` of a fanned-out :func:`convert` (the same plan, rebuilt from the source's
+    metadata); False when the part was already recorded."""
+    src = open_source(source, source_format)
+    try:
+        plan = with_tf_names(identity_plan(src.entries(), src.spec, dtype=dtype), src.format, to)
+        return run_part(
+            plan, src, target=target, index=index, job_id=job_id, staging=staging, cancelled=cancelled, runner=parts
+        )
+    finally:
+        src.close()
 
 
 def plan_conversion(

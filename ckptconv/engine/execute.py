@@ -247,7 +247,7 @@ def execute(
                     values.append(cache[k])
                 value = (step.transform or IDENTITY)(values)
                 del values
-            _check_produced(out, value)
+            check_produced(out, value)
             sink.write(out.key, value)
             # After the write: a sink that changed the value in place shows in the digest.
             digests[out.key] = value_digest(value)
@@ -268,7 +268,7 @@ def execute(
     return digests
 
 
-def _check_produced(out: Entry, value: Any) -> None:
+def check_produced(out: Entry, value: Any) -> None:
     """A transform must produce exactly the entry the plan announced (the sink's header depends on it)."""
     if out.kind not in ("tensor", "array"):
         return

@@ -53,6 +53,7 @@ from ckptconv.engine.execute import (
     Progress,
     ProgressFn,
     ProgressReporter,
+    VerifyReport,
     check_written,
     execute,
     verify_output,
@@ -328,39 +329,18 @@ def run_plan(
                     reopened.close()
             outputs = hashed.result()
         timings["verify_s"] = round(time.monotonic() - t1, 3)
-        if report is not None and not report.ok:
-            raise VerificationFailed(
-                f"{len(report.mismatches)} entries of the output differ from the source: "
-                + "; ".join(report.mismatches[:5]),
-                mismatches=report.mismatches[:50],
-            )
-        manifest_uri = _manifest_uri(layout, outputs)
-        staged_manifest = storage.join(layout.staging, manifest_uri[len(layout.parent) + 1 :])
-        doc = {
-            "ckptconv_version": __version__,
-            "job_id": job_id,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": source_facts(src),
-            "target": {"uri": layout.target, "format": to},
-            "files": [
-                {
-                    "uri": layout.final(o.uri),
-                    "path": o.uri[len(layout.staging) + 1 :],
-                    "size": o.size,
-                    "sha256": o.sha256,
-                    "role": o.role,
-                }
-                for o in outputs
-            ],
-            "tensors": plan.tensors_total,
-            "bytes": plan.bytes_total,
-            "verify": report.to_dict() if report else {"ok": None, "skipped": True},
-            "warnings": list(plan.warnings),
-            "timings": timings,
-            "memory": memory,
-            **({"extras": jsonable(extras)} if extras else {}),
-        }
-        storage.write_bytes(staged_manifest, json.dumps(doc, indent=2).encode())
+        stage_manifest(
+            layout,
+            src,
+            to=to,
+            job_id=job_id,
+            plan=plan,
+            outputs=outputs,
+            report=report,
+            timings=timings,
+            memory=memory,
+            extras=extras,
+        )
     except BaseException:
         _discard_after_failure(layout)
         raise
@@ -368,6 +348,56 @@ def run_plan(
     result.timings["publish_s"] = round(time.monotonic() - t0 - sum(timings.values()), 3)
     reporter.complete("done", plan.tensors_total, plan.bytes_total)
     return result
+
+
+def stage_manifest(
+    layout: _Layout,
+    src: TensorSource,
+    *,
+    to: str,
+    job_id: str | None,
+    plan: Plan,
+    outputs: list[OutputFile],
+    report: VerifyReport | None,
+    timings: dict[str, float],
+    memory: dict[str, Any],
+    extras: dict[str, Any] | None,
+) -> None:
+    """Refuse a failed verification; otherwise write ``manifest.json`` into staging (publication's input)."""
+    if report is not None and not report.ok:
+        raise VerificationFailed(
+            f"{len(report.mismatches)} entries of the output differ from the source: "
+            + "; ".join(report.mismatches[:5]),
+            mismatches=report.mismatches[:50],
+        )
+    storage = layout.storage
+    manifest_uri = _manifest_uri(layout, outputs)
+    staged_manifest = storage.join(layout.staging, manifest_uri[len(layout.parent) + 1 :])
+    doc = {
+        "ckptconv_version": __version__,
+        "job_id": job_id,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": source_facts(src),
+        "target": {"uri": layout.target, "format": to},
+        "files": [
+            {
+                "uri": layout.final(o.uri),
+                "path": o.uri[len(layout.staging) + 1 :],
+                "size": o.size,
+                "sha256": o.sha256,
+                "role": o.role,
+            }
+            for o in outputs
+        ],
+        "tensors": plan.tensors_total,
+        "bytes": plan.bytes_total,
+        "verify": report.to_dict() if report else {"ok": None, "skipped": True},
+        "warnings": list(plan.warnings),
+        "timings": timings,
+        "memory": memory,
+        **({"extras": jsonable(extras)} if extras else {}),
+    }
+    storage.write_bytes(staged_manifest, json.dumps(doc, indent=2).encode())
 
 
 VERIFY_MODES = ("hashes", "full", "off")

@@ -11,7 +11,9 @@ A handler module offers:
 - optionally ``plan(ctx: JobContext) -> dict``: the dry run behind ``POST /v1/plans``
   (``ctx.progress``/``ctx.cancelled`` are no-ops there);
 - optionally ``cleanup(ctx: JobContext) -> None``: remove what a lost worker may have left
-  (staging) when its job is then cancelled instead of run again.
+  (staging) when its job is then cancelled instead of run again;
+- optionally ``run_part(ctx: JobContext, index: int) -> None``: one part of a job that ``run``
+  fanned out through ``ctx.parts`` (see ``ckptconv.engine.fanout``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class JobContext:
     progress: Callable[[Any], None] = lambda _p: None  # takes ckptconv.engine.execute.Progress (or a dict)
     cancelled: Callable[[], bool] = lambda: False
     local: LocalSettings = field(default_factory=LocalSettings)
+    # Hands the parts of a fanned-out job to workers (ckptconv.engine.fanout.PartRunner); None runs
+    # every part in this process.
+    parts: Any = None
 
 
 def context_from_request(doc: dict[str, Any], job_id: str | None = None, **callbacks: Any) -> JobContext:

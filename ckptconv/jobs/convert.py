@@ -26,8 +26,28 @@ def run(ctx: JobContext) -> dict[str, Any]:
         progress=ctx.progress,
         cancelled=ctx.cancelled,
         job_id=ctx.job_id,
+        parallelism=ctx.options.parallelism,
+        parts=ctx.parts,
     )
     return result.to_dict()
+
+
+def run_part(ctx: JobContext, index: int) -> None:
+    """One part of a conversion ``run`` fanned out (``parallelism`` > 1)."""
+    from ckptconv.engine.convert import convert_part
+
+    assert ctx.target is not None
+    convert_part(
+        ctx.source["uri"],
+        ctx.target["uri"],
+        index,
+        to=ctx.target["format"],
+        source_format=ctx.source.get("format"),
+        dtype=ctx.options.dtype,
+        job_id=ctx.job_id,
+        cancelled=ctx.cancelled,
+        parts=ctx.parts,
+    )
 
 
 def plan(ctx: JobContext) -> dict[str, Any]:

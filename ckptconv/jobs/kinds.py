@@ -110,6 +110,8 @@ def _is_uri_field(annotation: Any, metadata: list[Any]) -> bool:
 
 # --- the kinds -------------------------------------------------------------------------------
 
+MAX_PARALLELISM = 256  # parts of one job; each is a message, a lease and a record in staging
+
 # Casting applies to floating-point tensors only, so only floating-point dtypes are offered.
 FloatDtype = Literal[tuple(d for d in DTYPE_SIZES if d.startswith(("float", "bfloat")))]  # type: ignore[valid-type]
 Size = (
@@ -144,6 +146,15 @@ class ConvertOptions(KindOptions):
         description="bytes the conversion may hold (at least twice the largest tensor plus 300 MB; the plan"
         " reports the minimum); what exceeds that minimum reads ahead. Default: the minimum",
         examples=["4GB"],
+    )
+
+    parallelism: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_PARALLELISM,
+        description="split the conversion into this many parts, balanced by output bytes, run by as many workers"
+        " and committed together (safetensors and cs-h5 targets; a cs-h5 output is then written contiguous,"
+        " uncompressed). The output is byte for byte the single-worker output",
     )
 
     @field_validator("shard_size", "memory_budget")

@@ -1,0 +1,182 @@
+"""One conversion cut into parts by output bytes: the parts' output is the single-worker output.
+
+Real conversions, local and on a moto S3 server, every part run in this process (the worker's
+dispatch is covered by ``test_fanout_workers.py``): byte-for-byte equality with the single-worker
+files for each writable pair, the byte split itself, a part recorded once, a commit run twice
+publishing once, and a cancelled fan-out leaving neither files nor multipart uploads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckptconv.core.errors import Cancelled, InvalidRequest
+from ckptconv.engine.convert import convert, convert_part
+from ckptconv.engine.fanout import split_parts
+from ckptconv.engine.plan import identity_plan
+from ckptconv.engine.run import run_plan
+from ckptconv.formats.detect import open_source
+from ckptconv.formats.layout import FileLayout, Span
+from ckptconv.storage import open_storage
+
+MiB = 1 << 20
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(13)
+    return {
+        "embed.weight": torch.randn(1024, 1536, generator=g).to(torch.bfloat16),  # 3 MiB
+        "layers.0.attn.q": torch.randn(1024, 1280, generator=g),  # 5 MiB: cut by a part boundary
+        "layers.0.norm": torch.randn(1536, generator=g),
+        "layers.0.step": torch.tensor(7, dtype=torch.int64),
+        "layers.0.mask": torch.rand(333, generator=g) > 0.5,
+        "layers.0.empty": torch.zeros(0, 4),
+        "layers.1.attn.q": torch.randn(1024, 1280, generator=g).to(torch.float16),
+        "head.bias": torch.randn(7, generator=g).to(torch.float64),
+    }
+
+
+def _source(tmp: Path, fmt: str) -> str:
+    """The tensors as a checkpoint of ``fmt`` (a cs-h5 one converted from safetensors)."""
+    st = str(tmp / "src.safetensors")
+    save_file(_tensors(), st)
+    if fmt == "safetensors":
+        return st
+    if fmt == "torch":
+        path = str(tmp / "src.bin")
+        torch.save(_tensors(), path)
+        return path
+    path = str(tmp / "src.mdl")
+    convert(st, path, to="cs-h5")
+    return path
+
+
+def _single(source: str, target: str, to: str, **sink_options: object) -> list[str]:
+    """What one worker writes (the contiguous H5 layout: the one fan-out writes)."""
+    if to == "cs-h5":
+        sink_options = {"chunking": "contiguous", **sink_options}
+    src = open_source(source)
+    try:
+        result = run_plan(identity_plan(src.entries(), src.spec), src, to=to, target=target, sink_options=sink_options)
+    finally:
+        src.close()
+    return [_sha(o.uri) for o in result.outputs]
+
+
+def _sha(uri: str) -> str:
+    return hashlib.sha256(open_storage(uri).read_all(uri)).hexdigest()
+
+
+def _uploads(bucket: str) -> list[dict]:
+    return boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+@pytest.mark.parametrize(
+    ("source_fmt", "to", "name"),
+    [
+        ("safetensors", "cs-h5", "out.mdl"),
+        ("safetensors", "safetensors", "out.safetensors"),
+        ("cs-h5", "safetensors", "out.safetensors"),
+        ("cs-h5", "cs-h5", "out.mdl"),
+        ("torch", "safetensors", "out.safetensors"),
+        ("torch", "cs-h5", "out.mdl"),
+    ],
+)
+def test_fanned_out_local_output_is_the_single_worker_output(source_fmt, to, name, tmp_path: Path) -> None:
+    source = _source(tmp_path, source_fmt)
+    expected = _single(source, str(tmp_path / "one" / name), to)
+    result = convert(source, str(tmp_path / "three" / name), to=to, parallelism=3, job_id="fan-local")
+    assert [o.sha256 for o in result.outputs if o.role == "data"] == expected
+    assert [_sha(o.uri) for o in result.outputs if o.role == "data"] == expected
+    assert result.extras["parallelism"] == 3 and result.verify["ok"] is True
+    assert not (tmp_path / "three" / ".ckptconv-staging").exists()
+
+
+def test_sharded_safetensors_fan_out_across_files(tmp_path: Path) -> None:
+    source = _source(tmp_path, "safetensors")
+    expected = _single(source, str(tmp_path / "one"), "safetensors", shard_size=4 * MiB)
+    result = convert(source, str(tmp_path / "four"), to="safetensors", shard_size=4 * MiB, parallelism=4, job_id="fs")
+    assert len(result.outputs) > 3 and [o.role for o in result.outputs][-1] == "index"
+    assert [o.sha256 for o in result.outputs] == expected == [_sha(o.uri) for o in result.outputs]
+
+
+@pytest.mark.parametrize(
+    ("source_fmt", "to", "name"),
+    [("safetensors", "cs-h5", "out.mdl"), ("cs-h5", "safetensors", "out.safetensors")],
+)
+def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, tmp_path: Path, s3_bucket) -> None:
+    source = _source(tmp_path, source_fmt)
+    remote = f"s3://{s3_bucket}/src/{Path(source).name}"
+    open_storage(remote).write_bytes(remote, Path(source).read_bytes())
+    expected = _single(remote, f"s3://{s3_bucket}/one/{name}", to)
+    result = convert(remote, f"s3://{s3_bucket}/two/{name}", to=to, parallelism=2, job_id="fan-s3")
+    assert [_sha(o.uri) for o in result.outputs] == expected == [o.sha256 for o in result.outputs]
+    assert result.extras["parallelism"] == 2
+    assert _uploads(s3_bucket) == []
+    left = [i.uri for i in open_storage(f"s3://{s3_bucket}/").list(f"s3://{s3_bucket}/two/")]
+    assert sorted(left) == sorted([o.uri for o in result.outputs] + [result.manifest])
+
+
+def test_parts_are_balanced_by_bytes_and_tile_every_file() -> None:
+    # One file of one 100 MiB tensor and a small one: parts cut the tensor, never follow names.
+    files = [
+        FileLayout("a", 100 * MiB + 64, [Span("big", "big", 64, 100 * MiB)]),
+        FileLayout("b", 3 * MiB, [Span("s", "s", 0, 3 * MiB)]),
+    ]
+    parts = split_parts(files, 4)
+    assert len(parts) == 4
+    sizes = [sum(e - s for _, s, e in p) for p in parts]
+    assert max(sizes) - min(sizes) <= 2 * MiB
+    for fi, f in enumerate(files):
+        ranges = sorted((s, e) for p in parts for i, s, e in p if i == fi)
+        assert ranges[0][0] == 0 and ranges[-1][1] == f.size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    # On S3 the cuts fall on the upload's part grid.
+    grid = split_parts(files, 4, part_size=5 * MiB)
+    assert all(s % (5 * MiB) == 0 for p in grid for _, s, _ in p)
+    # Never more parts than pieces to cut.
+    assert len(split_parts([FileLayout("c", 10, [])], 8)) == 1
+
+
+def test_a_recorded_part_is_not_run_again_and_a_second_commit_publishes_nothing(tmp_path: Path) -> None:
+    source = _source(tmp_path, "safetensors")
+    target = str(tmp_path / "out" / "model.mdl")
+    first = convert(source, target, to="cs-h5", parallelism=2, job_id="twice")
+    manifest = Path(first.manifest)
+    stamp = (manifest.stat().st_mtime_ns, manifest.read_bytes())
+    again = convert(source, target, to="cs-h5", parallelism=2, job_id="twice")
+    assert again.manifest == first.manifest and again.outputs == first.outputs
+    assert (manifest.stat().st_mtime_ns, manifest.read_bytes()) == stamp
+    # A part asked for after the commit finds nothing to do and writes nothing.
+    staging = str(tmp_path / "out" / ".ckptconv-staging" / "late" / "0")
+    with pytest.raises(Exception, match="fan-out layout is missing"):
+        convert_part(source, target, 0, to="cs-h5", job_id="late", staging=staging)
+    assert not (tmp_path / "out" / ".ckptconv-staging").exists()
+
+
+def test_a_cancelled_fan_out_leaves_no_file_and_no_upload(tmp_path: Path, s3_bucket) -> None:
+    source = _source(tmp_path, "safetensors")
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(1)
+        return len(asked) > 3  # after the first values of the first part
+
+    target = f"s3://{s3_bucket}/team/out/model.mdl"
+    with pytest.raises(Cancelled):
+        convert(source, target, to="cs-h5", parallelism=2, job_id="cancel", cancelled=cancelled)
+    assert list(open_storage(target).list(f"s3://{s3_bucket}/")) == []
+    assert _uploads(s3_bucket) == []
+
+
+def test_formats_without_a_known_layout_refuse_parallelism(tmp_path: Path) -> None:
+    source = _source(tmp_path, "safetensors")
+    with pytest.raises(InvalidRequest, match="parallelism > 1"):
+        convert(source, str(tmp_path / "x.bin"), to="torch", parallelism=2)

@@ -1,0 +1,212 @@
+"""Fanned-out jobs (``parallelism`` > 1) on real worker processes, real Redis and a moto S3 server.
+
+Promises checked: the parts spread over the workers and the committed output is the single-worker
+output byte for byte; a part worker killed with SIGKILL mid-part is redone and the job still
+commits correct bytes; a cancel mid-fan-out leaves nothing at the target, no staging and no
+multipart upload; duplicate deliveries of the job's and the parts' messages run nothing twice and
+publish once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+import test_e2e_service as e2e
+import torch
+from safetensors.torch import save
+from test_e2e_service import Service, listing, wait_for
+
+from ckptconv.core.settings import Settings
+from ckptconv.engine.plan import identity_plan
+from ckptconv.engine.run import run_plan
+from ckptconv.formats.detect import open_source
+from ckptconv.storage import open_storage
+from worker.celery_app import make_celery
+
+bucket = e2e.bucket
+
+
+def _checkpoint(bucket: str, key: str, n: int, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(n)
+    tensors = {f"layers.{i}.weight": torch.randn(*shape, generator=g) for i in range(n)}
+    tensors["layers.0.bias"] = torch.arange(shape[1], dtype=torch.int64)
+    tensors["layers.1.step"] = torch.tensor(3)
+    boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=save(tensors))
+
+
+def _single_worker_sha256(source: str, target: str, to: str) -> list[str]:
+    src = open_source(source)
+    try:
+        options = {"chunking": "contiguous"} if to == "cs-h5" else {}
+        result = run_plan(identity_plan(src.entries(), src.spec), src, to=to, target=target, sink_options=options)
+    finally:
+        src.close()
+    return [hashlib.sha256(open_storage(o.uri).read_all(o.uri)).hexdigest() for o in result.outputs]
+
+
+def _sha256s(job: dict) -> list[str]:
+    return [hashlib.sha256(open_storage(o["uri"]).read_all(o["uri"])).hexdigest() for o in job["result"]["outputs"]]
+
+
+def _uploads(bucket: str) -> list[dict]:
+    return boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def _logs(svc: Service) -> str:
+    return "".join(Path(p.log_path).read_text() for p in svc.procs[1:])
+
+
+def _pid(token: str | None) -> int | None:
+    return int(token.split(":")[1]) if token else None
+
+
+@pytest.fixture(scope="module")
+def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    tmp = tmp_path_factory.mktemp("fanout")
+    svc = Service(redis_url, bucket, tmp, prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"])
+    try:
+        svc.start_worker()
+        svc.start_worker()
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.mark.parametrize(("to", "name", "where"), [("cs-h5", "model.mdl", "s3"), ("safetensors", "x", "local")])
+def test_two_workers_commit_the_single_worker_bytes(service: Service, to: str, name: str, where: str) -> None:
+    b = service.bucket
+    _checkpoint(b, f"team/fan-{to}/model.safetensors", 24, (512, 512))  # 24 MiB: several upload parts
+    source = f"s3://{b}/team/fan-{to}/model.safetensors"
+    base = f"s3://{b}/team/fan-{to}-out" if where == "s3" else f"{service.tmp}/out/fan-{to}"
+    with service.client() as c:
+        job = c.submit(source, f"{base}/two/{name}", to=to, options={"parallelism": 2})
+        job = c.wait(job["id"], timeout=300)
+    assert job["state"] == "succeeded" and job["attempts"] == 1, job.get("error")
+    assert job["result"]["extras"]["parallelism"] == 2
+    assert _sha256s(job) == _single_worker_sha256(source, f"{base}/one/{name}", to)
+    assert [o["sha256"] for o in job["result"]["outputs"]] == _sha256s(job)
+    assert job["progress"]["stage"] == "done"
+    assert "ckptconv.run_part[" in _logs(service)
+    assert not listing(b, "team/.ckptconv-staging") and _uploads(b) == []
+
+
+def _slow_service(redis_url: str, bucket: str, s3_server: str, tmp: Path, proxy) -> Service:
+    # Every S3 request of the workers delayed by 30 ms: a part of a few hundred tensors (one ranged
+    # read each) runs for seconds, long enough to be killed or cancelled in the middle.
+    proxy.on_request = lambda *_: time.sleep(0.03)
+    svc = Service(
+        redis_url, bucket, tmp, prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"], env={"AWS_ENDPOINT_URL": proxy.url}
+    )
+    svc.start_worker()
+    svc.start_worker()
+    return svc
+
+
+def _running_part(svc: Service, job_id: str, index: int) -> int:
+    """The pid of the worker running part ``index`` of the job's first attempt, once it wrote bytes."""
+    key = f"{svc.prefix}part:{job_id}:1:{index}"
+    counters = f"{svc.prefix}fanout:{job_id}:1"
+    wait_for(lambda: int(svc.redis.hget(counters, f"bytes:{index}") or 0) > 0, timeout=120)
+    pid = _pid(svc.redis.get(key))
+    assert pid is not None
+    return pid
+
+
+def test_a_part_worker_killed_mid_part_is_redone_and_the_job_commits(
+    redis_url: str, bucket: str, s3_server: str, tmp_path: Path
+) -> None:
+    from faultproxy import FaultProxy
+
+    _checkpoint(bucket, "team/kill-part/model.safetensors", 320, (64, 128))  # 10 MiB in 32 KiB tensors
+    source = f"s3://{bucket}/team/kill-part/model.safetensors"
+    with FaultProxy(s3_server) as proxy:
+        svc = _slow_service(redis_url, bucket, s3_server, tmp_path, proxy)
+        try:
+            with svc.client() as c:
+                job = c.submit(source, f"{tmp_path}/out/two/model.mdl", to="cs-h5", options={"parallelism": 2})
+                # The job's own worker runs the last part; the other worker the first one: kill that.
+                coordinator = _pid(svc.redis.get(f"{svc.prefix}lease:{job['id']}"))
+                victim = _running_part(svc, job["id"], 0)
+                assert victim != coordinator and victim in [p.pid for p in svc.procs]
+                os.kill(victim, signal.SIGKILL)
+                next(p for p in svc.procs if p.pid == victim).wait()
+                svc.start_worker()
+                job = c.wait(job["id"], timeout=300)
+        finally:
+            svc.stop()
+    assert job["state"] == "succeeded" and job["attempts"] == 1, job.get("error")
+    assert _sha256s(job) == _single_worker_sha256(source, f"{tmp_path}/out/one/model.mdl", "cs-h5")
+    assert not (tmp_path / "out" / "two" / ".ckptconv-staging").exists()
+    assert not (tmp_path / "out" / ".ckptconv-staging").exists()
+
+
+def test_cancel_mid_fan_out_leaves_nothing_and_no_upload(
+    redis_url: str, bucket: str, s3_server: str, tmp_path: Path
+) -> None:
+    from faultproxy import FaultProxy
+
+    _checkpoint(bucket, "team/cancel-fan/model.safetensors", 400, (64, 128))  # 12.5 MiB
+    with FaultProxy(s3_server) as proxy:
+        svc = _slow_service(redis_url, bucket, s3_server, tmp_path, proxy)
+        try:
+            with svc.client() as c:
+                job = c.submit(
+                    f"s3://{bucket}/team/cancel-fan/model.safetensors",
+                    f"s3://{bucket}/team/cancel-fan-out/model.mdl",
+                    to="cs-h5",
+                    options={"parallelism": 2},
+                )
+                _running_part(svc, job["id"], 0)
+                assert _uploads(bucket), "the fan-out should have its multipart upload open by now"
+                c.cancel(job["id"])
+                job = c.wait(job["id"], timeout=120)
+                # The parts stop too: no lease stays behind, nothing is written after the cancel.
+                wait_for(lambda: not svc.redis.keys(f"{svc.prefix}part:{job['id']}:*"), timeout=30)
+        finally:
+            svc.stop()
+    assert job["state"] == "cancelled", job
+    left = listing(bucket, "team/cancel-fan-out")
+    assert set(left) == {"team/cancel-fan-out/model.mdl.ckptconv-job.json"}, left
+    assert not listing(bucket, "team/.ckptconv-staging")
+    assert _uploads(bucket) == []
+
+
+def test_duplicate_deliveries_run_nothing_twice_and_publish_once(service: Service) -> None:
+    b = service.bucket
+    _checkpoint(b, "team/dup-fan/model.safetensors", 24, (512, 512))
+    target = f"s3://{b}/team/dup-fan-out/model.mdl"
+    with service.client() as c:
+        job = c.submit(f"s3://{b}/team/dup-fan/model.safetensors", target, to="cs-h5", options={"parallelism": 3})
+        job_key = f"{service.prefix}job:{job['id']}"
+        wait_for(lambda: service.redis.exists(f"{service.prefix}fanout:{job['id']}:1"), timeout=120)
+        # The broker hands the job's message and every part's message out a second time.
+        queue = f"{service.prefix}q:jobs"
+        service.redis.lpush(queue, service.redis.hget(job_key, "message"))
+        app = make_celery(
+            Settings(
+                environment="development", redis_url=service.env["CKPTCONV_REDIS_URL"], redis_prefix=service.prefix
+            )
+        )
+        for index in range(3):
+            app.send_task("ckptconv.run_part", args=[job["id"], 1, index], queue="jobs")
+        job = c.wait(job["id"], timeout=300)
+        manifest = boto3.client("s3").head_object(Bucket=b, Key="team/dup-fan-out/model.mdl.manifest.json")
+        # A delivery after the end: the job is final, nothing runs, nothing is published again.
+        service.redis.lpush(queue, service.redis.hget(job_key, "message"))
+        wait_for(lambda: service.redis.llen(queue) == 0, timeout=60)
+    assert job["state"] == "succeeded" and job["attempts"] == 1, job.get("error")
+    again = boto3.client("s3").head_object(Bucket=b, Key="team/dup-fan-out/model.mdl.manifest.json")
+    assert (again["ETag"], again["LastModified"]) == (manifest["ETag"], manifest["LastModified"])
+    assert set(listing(b, "team/dup-fan-out")) == {
+        "team/dup-fan-out/model.mdl",
+        "team/dup-fan-out/model.mdl.manifest.json",
+        "team/dup-fan-out/model.mdl.ckptconv-job.json",
+    }
+    assert not listing(b, "team/.ckptconv-staging") and _uploads(b) == []
