@@ -274,21 +274,21 @@ def _prepare(
     read_digests: dict[str, str] = {}
     try:
         sink.begin(entries, plan.spec)
-        placed = sink.placed_keys()  # type: ignore[attr-defined]
+        placed = sink.placed_keys()
         for step in plan.steps:
             if step.out.kind == "link":
                 continue
             if step.out.key in placed:
                 if step.out.nbytes == 0:  # no byte of any part holds it: checked here
                     digests[step.out.key] = value_digest(compute(step, src, read_digests))
-                sink.reserve(step.out.key)  # type: ignore[attr-defined]
+                sink.reserve(step.out.key)
                 continue
             value = compute(step, src, read_digests)
             sink.write(step.out.key, value)
             digests[step.out.key] = value_digest(value)
             del value
-        files = sink.finish_skeleton()  # type: ignore[attr-defined]
-        side = sink.side_files()  # type: ignore[attr-defined]
+        files = sink.finish_skeleton()
+        side = sink.side_files()
     except BaseException:
         sink.abort()
         raise

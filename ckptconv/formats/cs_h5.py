@@ -43,6 +43,7 @@ from ckptconv.core.errors import (
     CorruptCheckpoint,
     IncompleteCheckpoint,
     KeyCollision,
+    SinkProtocolError,
     TargetExists,
     UnsupportedDtype,
 )
@@ -429,8 +430,6 @@ class CsH5Sink(CerebrasSink):
     def _reserve(self, key: str) -> None:
         """Its record is known from its dtype and shape alone; its bytes go to its region."""
         entry = self._due[key]
-        if key not in self._regions:
-            raise ConversionError(f"{key!r} has no preallocated dataset to reserve")
         shape = tuple(entry.shape or ())
         md = (
             tensor_metadata(entry.dtype, shape) if entry.kind == "tensor" else array_metadata(entry.dtype == "bfloat16")
@@ -442,7 +441,7 @@ class CsH5Sink(CerebrasSink):
         skeleton itself, placed at the sink's URI for the processes that write its datasets; a
         remote one keeps nothing here (the gaps are returned)."""
         if not self.skeleton or self._tmp_path is None:
-            raise ConversionError("a skeleton needs a sink created with skeleton=True")
+            raise SinkProtocolError("cs-h5 sink: a skeleton needs a sink created with skeleton=True")
         self._on_h5_thread(self._finish, self._record_texts())
         self._close_file()
         size = os.path.getsize(self._tmp_path)
