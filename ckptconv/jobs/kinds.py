@@ -130,7 +130,7 @@ class ConvertOptions(KindOptions):
 
     shard_size: Size | None = Field(
         default=None,
-        description="largest output shard, in bytes or with a unit (5GB, 500MiB); safetensors and torch only",
+        description="largest output shard, in bytes or with a unit (5GB, 500MiB); safetensors, torch and tf",
         examples=["5GB"],
     )
     dtype: FloatDtype | None = Field(
