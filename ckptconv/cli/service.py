@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptconv.cli.output import human_size
 from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest
+from ckptconv.jobs.kinds import KINDS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,8 +74,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", nargs="?", help="target URI")
     p.add_argument("--to", help="target format (cs-h5, safetensors, torch, tf, cs-s3)")
     p.add_argument("--from", dest="source_format", help="source format (default: detected)")
-    p.add_argument("--kind", default="convert", help="job kind (default convert; `GET /v1/kinds` lists them)")
-    p.add_argument("--option", "-o", action="append", default=[], metavar="K=V", help="kind option (JSON value)")
+    p.add_argument(
+        "--kind",
+        default="convert",
+        help=f"job kind: {', '.join(KINDS)} (default convert; the service's own list: `GET /v1/kinds`)",
+    )
+    p.add_argument(
+        "--option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="kind option (JSON value), named as in the kind's model: `ckptconv <command> --help` shows them as flags",
+    )
     p.add_argument("--label", "-l", action="append", default=[], metavar="K=V", help="label the job")
     p.add_argument("--webhook", help="URL to POST the finished job to")
     p.add_argument("--webhook-secret", help="webhook signing secret (whsec_...)")
@@ -397,9 +409,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         if os.path.exists(args.file):
             with open(args.file) as f:
                 doc = yaml.safe_load(f) or {"keys": []}
-        doc.setdefault("keys", []).append(
-            {"name": args.name, "sha256": hash_key(key), "prefixes": prefixes}
-        )
+        doc.setdefault("keys", []).append({"name": args.name, "sha256": hash_key(key), "prefixes": prefixes})
         with open(args.file, "w") as f:
             yaml.safe_dump(doc, f, sort_keys=False)
     else:
