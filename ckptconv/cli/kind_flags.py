@@ -3,8 +3,9 @@
 A kind's options are written once, as its pydantic model in :mod:`ckptconv.jobs.kinds`: the flag
 ``--hf-shard-size`` of the option ``hf_shard_size``, its type, its choices, its range, its default and
 its help all come from the model's field, so an option added to a model is a flag at once. Values are
-checked by the model itself (the same check the HTTP API applies); a refused value is one clear
-``invalid_request`` line naming the flag.
+checked by the model itself (the same check the HTTP API applies); a refused value is one
+``invalid_request`` line naming the flag, or the typed error of a check the model makes with the
+engine's tables (``unknown_model``).
 
 The only flags written by hand are the other spellings in :data:`ALIASES`: the original Cerebras
 tools' names (``--shuffle_seed``, ``-s``), switches that set one value (``--full-verify``,
@@ -40,6 +41,9 @@ DTYPE_SHORTHANDS = {
 }
 
 
+NO_PRESET: Any = object()
+
+
 @dataclass(frozen=True)
 class Alias:
     """Other spellings of one option's flag, and how the command line treats the option."""
@@ -49,8 +53,11 @@ class Alias:
     switches: tuple[tuple[str, Any], ...] = ()  # flags that set one value
     shorthands: Mapping[str, str] = field(default_factory=dict)  # short values accepted for the model's
     engine_checks: bool = False  # passed as typed: the engine refuses an unknown value with its own error
-    preset: Any = None  # with ``fixed``: the value the command line always gives (no flag)
-    fixed: bool = False
+    preset: Any = NO_PRESET  # the value the command always gives, with no flag
+
+    @property
+    def fixed(self) -> bool:
+        return self.preset is not NO_PRESET
 
 
 # (kind, option) -> its other spellings. The one table of flags not generated from the models.
@@ -61,7 +68,7 @@ ALIASES: dict[tuple[str, str], Alias] = {
     ("verify", "config"): Alias(flags=("--cs-config",)),
     ("verify", "strict"): Alias(switches=(("--non-strict", False),)),
     # The command's exit status is the verdict (1 on a mismatch), so a mismatch is not an error there.
-    ("verify", "fail_on_mismatch"): Alias(fixed=True, preset=False),
+    ("verify", "fail_on_mismatch"): Alias(preset=False),
     ("dataloader-state", "iter_dir"): Alias(flags=("--worker_data_iter_files_dir", "-w")),
     # The original script took any type name and refused an unknown one with its own error.
     ("dataloader-state", "dataloader_type"): Alias(flags=("--dataloader_type", "-d"), engine_checks=True),
@@ -85,21 +92,19 @@ def switch_flag(option: str, default: Any) -> str:
     return flag(option) if default is not True else "--no-" + option.replace("_", "-")
 
 
-def _plain(annotation: Any) -> tuple[Any, bool]:
-    """(the annotation without ``None`` and ``Annotated``, whether ``None`` is allowed)."""
-    optional = False
+def _plain(annotation: Any) -> Any:
+    """The annotation without ``None`` and ``Annotated`` (an optional option's flag is simply not given)."""
     while True:
         origin = get_origin(annotation)
         if origin is Annotated:
             annotation = get_args(annotation)[0]
         elif origin in (Union, types.UnionType):
             args = [a for a in get_args(annotation) if a is not type(None)]
-            optional = optional or len(args) < len(get_args(annotation))
             if len(args) != 1:
-                return Union[tuple(args)], optional  # noqa: UP007 - rebuilt from its arguments
+                return Union[tuple(args)]  # noqa: UP007 - rebuilt from its arguments
             annotation = args[0]
         else:
-            return annotation, optional
+            return annotation
 
 
 def _value_type(kind: str, option: str, annotation: Any) -> tuple[Any, dict[str, Any]]:
@@ -171,7 +176,7 @@ def add_kind_flags(
             continue
         default = None if info.is_required() else info.default
         to = dest(kind_name, option)
-        annotation, _ = _plain(info.annotation)
+        annotation = _plain(info.annotation)
         for switch, value in alias.switches:
             parser.add_argument(
                 switch,
@@ -226,7 +231,7 @@ def flags_of(kind_name: str, option: str) -> str:
     alias = ALIASES.get((kind_name, option), NO_ALIAS)
     names = [s for s, _ in alias.switches]
     if alias.own_flag and not alias.fixed:
-        annotation, _ = _plain(info.annotation)
+        annotation = _plain(info.annotation)
         default = None if info.is_required() else info.default
         names.insert(0, switch_flag(option, default) if annotation is bool else flag(option))
     return "/".join(names)
