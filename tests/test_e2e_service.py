@@ -187,7 +187,7 @@ def listing(bucket: str, prefix: str) -> dict[str, int]:
     return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
 
 
-def check_outputs(job: dict[str, Any], bucket: str, expected: dict[str, Any]) -> None:
+def check_outputs(job: dict[str, Any], bucket: str, expected: dict[str, Any], fmt: str = "cs-h5") -> None:
     """Every output is where the result says, with its size and sha256, and holds the source's tensors."""
     import torch
 
@@ -202,7 +202,7 @@ def check_outputs(job: dict[str, Any], bucket: str, expected: dict[str, Any]) ->
         assert len(data) == o["size"] and hashlib.sha256(data).hexdigest() == o["sha256"]
     manifest = json.loads(s3.get_object(Bucket=bucket, Key=job["result"]["manifest"].split("/", 3)[3])["Body"].read())
     assert manifest["job_id"] == job["id"]
-    with open_source(job["target"]["uri"], "cs-h5") as src:
+    with open_source(job["target"]["uri"], fmt) as src:
         got = {e.key: src.read(e.key) for e in src.entries() if e.kind in ("tensor", "array")}
     assert set(got) == set(expected)
     for name, tensor in expected.items():

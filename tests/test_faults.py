@@ -29,6 +29,7 @@ import httpx
 import pytest
 import redis
 import test_e2e_service as e2e
+from faultproxy import FaultProxy
 from test_e2e_service import Service, check_outputs, listing, make_checkpoint, wait_for
 
 from ckptconv.core.errors import TargetExists
@@ -494,6 +495,83 @@ def test_sigkill_while_verifying_is_taken_over(redis_url: str, bucket: str, tmp_
         assert not listing(bucket, "team/.ckptconv-staging")
     finally:
         svc.stop()
+
+
+@pytest.mark.parametrize("cut", ["between data files", "before the manifest"])
+def test_sigkill_during_publication_is_taken_over(
+    cut: str, redis_url: str, bucket: str, s3_server: str, tmp_path: Path
+) -> None:
+    """A worker killed while it moves its staged files to the target: the request it was making is
+    dropped (the process that sent it is dead), the takeover publishes what is left from the
+    staged output, and the manifest never names a file that is not at the target yet."""
+    name = "kp-data" if cut == "between data files" else "kp-manifest"
+    expected = make_checkpoint(bucket, f"team/{name}/model.safetensors", 40, dim=64)
+    out = f"team/{name}-out/"
+    held, release = threading.Event(), threading.Event()
+    copies: list[str] = []
+
+    def hold(method: str, path: str, headers: dict[str, str]) -> None:
+        if method != "PUT" or "x-amz-copy-source" not in headers or f"/{out}" not in path or held.is_set():
+            return
+        copies.append(path)
+        if (cut == "between data files" and len(copies) == 2) or path.endswith("/manifest.json"):
+            held.set()
+            release.wait(120)
+            raise OSError("dropped: its sender was killed")
+
+    seen_partial: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        # Whenever the manifest is visible, every file it names is there, whole.
+        s3 = boto3.client("s3")
+        while not stop.wait(0.1):
+            objects = listing(bucket, out)
+            if out + "manifest.json" not in objects:
+                continue
+            doc = json.loads(s3.get_object(Bucket=bucket, Key=out + "manifest.json")["Body"].read())
+            for f in doc["files"]:
+                key = f["uri"].removeprefix(f"s3://{bucket}/")
+                if objects.get(key) != f["size"]:
+                    seen_partial.append(key)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with FaultProxy(s3_server) as proxy:
+        proxy.on_request = hold
+        svc = Service(redis_url, bucket, tmp_path, env={"AWS_ENDPOINT_URL": proxy.url})
+        scratch = tmp_path / "scratch"
+        svc.env["CKPTCONV_SCRATCH_DIR"] = str(scratch)
+        try:
+            first = svc.start_worker()
+            watcher.start()
+            with svc.client() as c:
+                job = c.submit(
+                    f"s3://{bucket}/team/{name}/model.safetensors",
+                    f"s3://{bucket}/{out.rstrip('/')}",
+                    to="safetensors",
+                    options={"shard_size": "100KB"},
+                )
+                assert held.wait(180), "publication never reached the cut"
+                os.kill(first.pid, signal.SIGKILL)
+                first.wait()
+                release.set()
+                at_kill = listing(bucket, out)
+                assert out + "manifest.json" not in at_kill
+                assert len(at_kill) == (1 if cut == "between data files" else len(copies) - 1), at_kill
+                svc.start_worker()
+                job = c.wait(job["id"], timeout=300)
+        finally:
+            stop.set()
+            release.set()
+            svc.stop()
+    watcher.join(timeout=10)
+    assert job["state"] == "succeeded" and job["attempts"] == 2, job.get("error")
+    assert len(job["result"]["outputs"]) > 2  # several shards and their index
+    check_outputs(job, bucket, expected, "safetensors")
+    assert out + "manifest.json" in listing(bucket, out)
+    assert not seen_partial, seen_partial
+    assert not listing(bucket, "team/.ckptconv-staging")
+    assert not [p for p in scratch.rglob("*") if p.is_file()], "temp files left"
 
 
 def test_production_is_not_ready_on_a_redis_without_persistence(

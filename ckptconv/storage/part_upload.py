@@ -307,7 +307,9 @@ def open_output_writer(storage: Storage, uri: str, size: int | None = None) -> W
     """The writer for one output file: concurrent part uploads on S3, the storage's own elsewhere
     (a local file of a known ``size`` is preallocated first)."""
     if storage.scheme == "s3":
-        upload = PartUpload(storage, uri, part_size=DEFAULT_PART_SIZE, concurrency=DEFAULT_CONCURRENCY)  # type: ignore[arg-type]
+        # The backend drives the multipart calls of this one object (a confined storage checks uri first).
+        backend = storage.backend(uri)
+        upload = PartUpload(backend, uri, part_size=DEFAULT_PART_SIZE, concurrency=DEFAULT_CONCURRENCY)  # type: ignore[arg-type]
         return PartWriter(upload)
     writer = storage.open_writer(uri)
     preallocate = getattr(writer, "preallocate", None)

@@ -14,7 +14,6 @@ Cerebras H5 through the format layer to a local directory or ``s3://``.
 
 from __future__ import annotations
 
-import posixpath
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists
 from ckptconv.core.fencing import current_attempt, fence
+from ckptconv.core.uri import basename
 from ckptconv.engine.cs_yaml import read_cs_yaml
 from ckptconv.engine.run import attempt_staging, discard_staging
 from ckptconv.engine.simulator import config as cfg
@@ -202,7 +202,7 @@ class _Run:
         if self.staging is None:
             write_checkpoint(uri, state, cstorch_version=self.release)
             return uri
-        staged = self.root_storage.join(self.staging, posixpath.basename(uri))
+        staged = self.root_storage.join(self.staging, basename(uri))
         write_checkpoint(staged, state, cstorch_version=self.release)
         try:
             for _ in range(2):
