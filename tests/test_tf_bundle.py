@@ -36,15 +36,15 @@ from ckptconv.core.errors import (
 )
 from ckptconv.formats.base import Entry, OpaqueObject, dtype_name
 from ckptconv.formats.cs_h5 import CsH5Source
-from ckptconv.formats.tf_bundle import (
+from ckptconv.formats.tf_bundle import TfSource
+from ckptconv.formats.tf_bundle_codec import (
     METADATA_KEY,
     STRING_ENCODING,
-    TfSink,
-    TfSource,
     decode_strings,
     encode_strings,
     slice_key,
 )
+from ckptconv.formats.tf_bundle_write import TfSink
 from ckptconv.formats.tf_proto import (
     BIG,
     BundleEntry,

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import KeyCollision, UnsupportedValue
+from ckptconv.formats import sink_class
 from ckptconv.formats.base import Entry, OutputFile, TensorSink, TensorSource
+from ckptconv.formats.detect import open_source
 
 if TYPE_CHECKING:
     from ckptconv.formats.tree import TreeSpec
@@ -25,8 +27,6 @@ class ComponentSource(TensorSource):
     """The checkpoints in ``<uri>/<name>/`` for each of ``names``, read as one."""
 
     def __init__(self, storage: Storage, uri: str, names: Sequence[str]) -> None:
-        from ckptconv.formats.detect import open_source
-
         super().__init__(storage, uri.rstrip("/"))
         self.format = "components"
         self.names = list(names)
@@ -74,8 +74,6 @@ class ComponentSink(TensorSink):
     def __init__(
         self, storage: Storage, uri: str, *, fmt: str, routes: Sequence[tuple[str, str]], **options: Any
     ) -> None:
-        from ckptconv.formats import sink_class
-
         super().__init__(storage, uri.rstrip("/"), fmt=fmt, routes=routes, **options)
         self.format = fmt
         cls = sink_class(fmt)

@@ -62,6 +62,7 @@ from ckptconv.formats.cs_h5_contiguous import (
     region_of,
 )
 from ckptconv.formats.cs_h5_io import H5File, damaged_as_corrupt
+from ckptconv.formats.cs_h5_legacy import LegacyLayout
 from ckptconv.formats.cs_serializers import (
     FORMAT_VERSION,
     TORCH_TENSOR,
@@ -81,7 +82,7 @@ from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks
 from ckptconv.storage.local import ensure_parent_dir
-from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
+from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, PartUpload
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,6 @@ class CsH5Source(TensorSource):
                 self.version = read_format_version(self.h5)
                 self._legacy: Any = None
                 if self.version < 0.5:
-                    from ckptconv.formats.cs_h5_legacy import LegacyLayout
-
                     self._legacy = LegacyLayout(self.h5, self.version)
                     return
                 success = self.h5.root_attr("__SUCCESS__")
@@ -377,8 +376,6 @@ class CsH5Sink(CerebrasSink):
             elif self._tmp_dir is None:
                 self._placement = LocalPlacement(self._tmp_path)
             else:
-                from ckptconv.storage.part_upload import PartUpload
-
                 upload = PartUpload(
                     self.storage.backend(self.uri),  # drives S3's multipart calls for this one object
                     self.uri,

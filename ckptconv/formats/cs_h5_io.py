@@ -23,6 +23,7 @@ import hdf5plugin  # noqa: F401 - registers the LZ4 filter (32004) for h5py's ow
 import numpy as np
 
 from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
+from ckptconv.formats.cs_base import cast_array
 from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, stored_chunks
 from ckptconv.formats.cs_serializers import stored_numpy_dtype
 from ckptconv.formats.memory import empty_tensor
@@ -216,7 +217,6 @@ class H5File:
                     raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
             return t
         # Castable on-disk type (e.g. float64 values for a float32 tensor): numpy value cast, as cstorch does.
-        from ckptconv.formats.cs_base import cast_array
 
         return cast_array(self._read_array(ds, key), dtype)
 

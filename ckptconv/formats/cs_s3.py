@@ -51,6 +51,7 @@ from ckptconv.formats.cs_serializers import (
     root_spec_text,
     stored_numpy_dtype,
 )
+from ckptconv.formats.memory import empty_tensor
 from ckptconv.formats.tree import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -242,8 +243,6 @@ class CsS3Source(TensorSource):
 
     def _read_numeric(self, entry: Entry) -> Any:
         import torch
-
-        from ckptconv.formats.memory import empty_tensor
 
         on_disk = np.dtype(entry.meta["on_disk"])
         want = np.dtype(stored_numpy_dtype(entry.dtype))

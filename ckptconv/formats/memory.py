@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ckptconv.formats.base import torch_dtype
+
 if TYPE_CHECKING:
     import torch
 
@@ -103,8 +105,6 @@ class BufferPool:
     def tensor(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """An uninitialized C-contiguous CPU tensor."""
         import torch
-
-        from ckptconv.formats.base import torch_dtype
 
         tdtype = torch_dtype(dtype)
         nbytes = math.prod(shape) * tdtype.itemsize
