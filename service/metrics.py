@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ckptconv.core.jobstore import DURATION_BUCKETS, STATES, TERMINAL
+from ckptconv.core.job_records import DURATION_BUCKETS, STATES, TERMINAL
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptconv.core.errors import ObjectNotFound, StorageUnavailable, TargetTaken
-from ckptconv.core.jobstore import target_identity
+from ckptconv.core.job_records import target_identity
 from ckptconv.core.uri import is_local, local_path_of
 from ckptconv.formats import target_exists
 from ckptconv.storage import open_storage

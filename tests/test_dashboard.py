@@ -275,7 +275,8 @@ async def _seed(redis_url: str, prefix: str, bucket_name: str, n: int) -> None:
 
     from ckptconv.core.auth import DEV_PRINCIPAL
     from ckptconv.core.errors import LogitMismatch
-    from ckptconv.core.jobstore import AsyncJobStore, JobStore, RedisKeys, new_job_id, new_record
+    from ckptconv.core.job_records import new_job_id, new_record
+    from ckptconv.core.jobstore import AsyncJobStore, JobStore, RedisKeys
 
     keys = RedisKeys(prefix)
     client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)

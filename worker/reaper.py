@@ -23,7 +23,8 @@ import threading
 import uuid
 from typing import Any
 
-from ckptconv.core.jobstore import JobStore, now_ms
+from ckptconv.core.job_records import now_ms
+from ckptconv.core.jobstore import JobStore
 
 log = logging.getLogger("ckptconv.reaper")
 

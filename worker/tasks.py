@@ -77,10 +77,12 @@ from ckptconv.core.errors import (
     WorkerLost,
 )
 from ckptconv.core.fencing import Attempt, attempt_scope
-from ckptconv.core.jobstore import TERMINAL, JobStore, encode_field, iso, job_resource, now_ms
+from ckptconv.core.job_records import TERMINAL, encode_field, iso, job_resource, now_ms
+from ckptconv.core.jobstore import JobStore
 from ckptconv.core.scopes import record_scopes
 from ckptconv.core.webhooks import sign
 from ckptconv.engine.convert import inspect as inspect_checkpoint
+from ckptconv.storage import open_storage
 from ckptconv.storage.confined import scoped
 from worker.celery_app import app, settings, store
 from worker.parts import RedisPartRunner
@@ -329,8 +331,6 @@ class JobRun:
         uri = target.rstrip("/") + MIRROR_SUFFIX
         doc = {"ckptconv_version": __version__, **job_resource(rec)}
         try:
-            from ckptconv.storage import open_storage
-
             storage = open_storage(uri)
             if storage.exists(uri):
                 try:

@@ -28,37 +28,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 import time
-from datetime import UTC, datetime
 from typing import Any
 
-STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-EVENTS_MAXLEN = 500
-DURATION_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def new_job_id() -> str:
-    """Time-ordered, unguessable: 12 hex digits of milliseconds, then 80 random bits."""
-    return f"job_{now_ms():012x}{secrets.token_hex(10)}"
-
-
-def target_identity(uri: str) -> str:
-    """What two requests must agree on to name the same target: the canonical URI (as the API
-    records it) without trailing slashes, so that ``s3://b/out`` and ``s3://b/out/`` are one target."""
-    return uri.rstrip("/") or uri
-
-
-def iso(ms: str | int | None) -> str | None:
-    if ms in (None, ""):
-        return None
-    dt = datetime.fromtimestamp(int(ms) / 1000, UTC)
-    return dt.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+from ckptconv.core.job_records import EVENTS_MAXLEN, TERMINAL, as_str, decode, encode_field, now_ms, target_identity
+from ckptconv.core.job_scripts import (
+    CANCEL_LUA,
+    HEARTBEAT_LUA,
+    IDEM_CLAIM_LUA,
+    PROGRESS_LUA,
+    RELEASE_LUA,
+    REQUEUE_LUA,
+    START_LUA,
+    SUBMIT_LUA,
+    TRANSITION_LUA,
+)
 
 
 class RedisKeys:
@@ -128,329 +112,6 @@ class RedisKeys:
         return self.broker + "unacked_index"
 
 
-# --- Lua -------------------------------------------------------------------------------------
-
-_LUA_COMMON = """
-local TERMINAL = {succeeded=true, failed=true, cancelled=true}
-local BUCKETS = {__BUCKETS__}
-
-local function finish_stats(p, job_key, to, now, nbytes)
-  local stats = p .. 'stats'
-  redis.call('HINCRBY', stats, 'finished:' .. to, 1)
-  local started = redis.call('HGET', job_key, 'started_ms')
-  if started then
-    local d = (now - tonumber(started)) / 1000
-    for _, le in ipairs(BUCKETS) do
-      if d <= le then redis.call('HINCRBY', stats, 'duration_bucket:' .. le, 1) end
-    end
-    redis.call('HINCRBY', stats, 'duration_bucket:+Inf', 1)
-    redis.call('HINCRBYFLOAT', stats, 'duration_sum', d)
-    redis.call('HINCRBY', stats, 'duration_count', 1)
-  end
-  if nbytes > 0 then redis.call('HINCRBY', stats, 'bytes_converted', nbytes) end
-end
-
--- Move job `id` from its current state to `to` if the current state is in `allowed`.
-local function transition(p, job_key, events_key, id, allowed, to, now, retention, nbytes, fields)
-  local meta = redis.call('HMGET', job_key, 'state', 'owner')
-  local cur = meta[1]
-  if not cur then return {'missing', ''} end
-  if not allowed[cur] then return {'refused', cur} end
-  if cur ~= to then
-    local o = p .. 'jobs:o:' .. meta[2]
-    redis.call('ZREM', o .. ':s:' .. cur, id)
-    redis.call('ZADD', o .. ':s:' .. to, 0, id)
-    redis.call('ZREM', p .. 'jobs:s:' .. cur, id)
-    redis.call('ZADD', p .. 'jobs:s:' .. to, now, id)
-  end
-  redis.call('HSET', job_key, 'state', to, 'updated_ms', now)
-  if #fields > 0 then redis.call('HSET', job_key, unpack(fields)) end
-  local event = cjson.encode({state=to, previous=cur, at=now})
-  redis.call('XADD', events_key, 'MAXLEN', '~', __MAXLEN__, '*', 'type', 'state', 'data', event)
-  if TERMINAL[to] and not TERMINAL[cur] then
-    finish_stats(p, job_key, to, now, nbytes)
-    local target_key = redis.call('HGET', job_key, 'target_key')
-    if target_key and redis.call('GET', target_key) == id then redis.call('DEL', target_key) end
-    if retention > 0 then
-      redis.call('PEXPIRE', job_key, retention)
-      redis.call('PEXPIRE', events_key, retention)
-      redis.call('ZREMRANGEBYSCORE', p .. 'jobs:s:' .. to, '-inf', now - retention)
-    end
-  end
-  return {'ok', cur}
-end
-
-local function set_of(csv)
-  local s = {}
-  for name in string.gmatch(csv, '[^,]+') do s[name] = true end
-  return s
-end
-""".replace("__BUCKETS__", ", ".join(str(b) for b in DURATION_BUCKETS)).replace("__MAXLEN__", str(EVENTS_MAXLEN))
-
-# Fenced: with a non-empty `attempt`, the change is refused ('fenced') unless it is still the job's
-# current attempt (a worker that lost the job to another attempt changes nothing).
-# KEYS: job, events. ARGV: prefix, id, allowed (csv), to, now_ms, retention_ms, bytes, attempt (or ''),
-#       field, value, ...
-TRANSITION_LUA = (
-    _LUA_COMMON
-    + """
-if ARGV[8] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[8] then
-  return {'fenced', redis.call('HGET', KEYS[1], 'state') or ''}
-end
-local fields = {}
-for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
-return transition(ARGV[1], KEYS[1], KEYS[2], ARGV[2], set_of(ARGV[3]), ARGV[4], tonumber(ARGV[5]),
-                  tonumber(ARGV[6]), tonumber(ARGV[7]), fields)
-"""
-)
-
-# A worker starts an attempt: take the lease and count the attempt in one step, so that each
-# attempt number has exactly one holder. Refused while another token holds a live lease.
-# KEYS: lease, job, events. ARGV: prefix, id, token, lease_ms, now_ms, max_attempts
-# Returns {'started', attempt, previous state} | {'held', holder} | {'terminal', state}
-#       | {'exhausted', attempts} | {'missing', ''}
-START_LUA = (
-    _LUA_COMMON
-    + """
-local meta = redis.call('HMGET', KEYS[2], 'state', 'attempts', 'started_ms')
-local state = meta[1]
-if not state then return {'missing', ''} end
-if TERMINAL[state] then return {'terminal', state} end
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[3] then return {'held', holder} end
-local attempts = tonumber(meta[2] or '0')
-if attempts >= tonumber(ARGV[6]) then return {'exhausted', tostring(attempts)} end
-local attempt = tostring(attempts + 1)
-redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
-local fields = {'attempts', attempt, 'worker', ARGV[3], 'heartbeat_ms', ARGV[5]}
-if not meta[3] then fields[#fields + 1] = 'started_ms'; fields[#fields + 1] = ARGV[5] end
-local to = state == 'cancelling' and 'cancelling' or 'running'
-transition(ARGV[1], KEYS[2], KEYS[3], ARGV[2], {queued=true, running=true, cancelling=true}, to,
-           tonumber(ARGV[5]), 0, 0, fields)
-return {'started', attempt, state}
-"""
-)
-
-# The reaper gives a job whose owner is gone its message again (the one the API queued), if it is
-# still in the same attempt, has no live lease and is not final.
-# KEYS: job, lease, queue. ARGV: attempt, now_ms
-REQUEUE_LUA = """
-local meta = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'message')
-if not meta[1] or meta[1] == 'succeeded' or meta[1] == 'failed' or meta[1] == 'cancelled' then return 0 end
-if (meta[2] or '0') ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 1 or not meta[3] then return 0 end
-redis.call('LPUSH', KEYS[3], meta[3])
-redis.call('HSET', KEYS[1], 'requeued_ms', ARGV[2])
-return 1
-"""
-
-# KEYS: job, events. ARGV: prefix, id, owner, now_ms, retention_ms, error_json
-CANCEL_LUA = (
-    _LUA_COMMON
-    + """
-local meta = redis.call('HMGET', KEYS[1], 'state', 'owner')
-if not meta[1] or meta[2] ~= ARGV[3] then return {'missing', ''} end
-local now = tonumber(ARGV[4])
-if meta[1] == 'queued' then
-  transition(ARGV[1], KEYS[1], KEYS[2], ARGV[2], {queued=true}, 'cancelled', now, tonumber(ARGV[5]), 0,
-             {'finished_ms', ARGV[4], 'error', ARGV[6], 'cancel_requested', '1'})
-  return {'cancelled', 'queued'}
-elseif meta[1] == 'running' then
-  transition(ARGV[1], KEYS[1], KEYS[2], ARGV[2], {running=true}, 'cancelling', now, 0, 0, {'cancel_requested', '1'})
-  return {'cancelling', 'running'}
-end
-return {'unchanged', meta[1]}
-"""
-)
-
-# Create a job, its index entries, its target reservation, its Idempotency-Key record and its queue
-# message, atomically. The Idempotency-Key is looked up first (a repeated request gets the first
-# answer even while its job holds the target); then the target: held by a live job -> refused.
-# KEYS: job, idempotency (or ''), queue, target reservation (or '').
-# ARGV: prefix, id, owner, kind, fingerprint, idem_ttl_ms, response_body, message, record (JSON
-#       object of the hash's fields), labels (JSON object). JSON rather than one argument per field:
-#       redis-py packs each argument in Python, which made packing the costliest part of a submit.
-SUBMIT_LUA = """
-local p, id, owner, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-if KEYS[2] ~= '' then
-  local prev = redis.call('HMGET', KEYS[2], 'fp', 'status', 'code', 'body', 'location')
-  if prev[1] then
-    return {'exists', prev[1], prev[2] or '', prev[3] or '', prev[4] or '', prev[5] or ''}
-  end
-end
-if KEYS[4] ~= '' then
-  local holder = redis.call('GET', KEYS[4])
-  if holder then
-    local held = redis.call('HMGET', p .. 'job:' .. holder, 'state', 'owner')
-    if held[1] and held[1] ~= 'succeeded' and held[1] ~= 'failed' and held[1] ~= 'cancelled' then
-      return {'target_taken', holder, held[2]}
-    end
-  end
-  redis.call('SET', KEYS[4], id)
-end
-if KEYS[2] ~= '' then
-  redis.call('HSET', KEYS[2], 'fp', ARGV[5], 'status', 'done', 'code', '202', 'body', ARGV[7],
-             'location', '/v1/jobs/' .. id)
-  redis.call('PEXPIRE', KEYS[2], ARGV[6])
-end
-local fields = {}
-for k, v in pairs(cjson.decode(ARGV[9])) do
-  fields[#fields + 1] = k
-  fields[#fields + 1] = v
-end
-redis.call('HSET', KEYS[1], unpack(fields))
--- The queued message, kept so that the reaper can queue it again if it is ever lost.
-redis.call('HSET', KEYS[1], 'message', ARGV[8])
-local o = p .. 'jobs:o:' .. owner
-redis.call('ZADD', o, 0, id)
-redis.call('ZADD', o .. ':s:queued', 0, id)
-redis.call('ZADD', o .. ':k:' .. kind, 0, id)
-for k, v in pairs(cjson.decode(ARGV[10])) do redis.call('ZADD', o .. ':l:' .. k .. '=' .. v, 0, id) end
-redis.call('ZADD', p .. 'jobs:s:queued', redis.call('TIME')[1] * 1000, id)
-redis.call('LPUSH', KEYS[3], ARGV[8])
-return {'created'}
-"""
-
-# Idempotency for requests other than job creation: claim, then complete or release.
-# KEYS: idempotency. ARGV: fingerprint, pending_ttl_ms
-IDEM_CLAIM_LUA = """
-local prev = redis.call('HMGET', KEYS[1], 'fp', 'status', 'code', 'body', 'location')
-if prev[1] then
-  return {'exists', prev[1], prev[2] or '', prev[3] or '', prev[4] or '', prev[5] or ''}
-end
-redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'status', 'pending')
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'claimed'}
-"""
-
-# Worker heartbeat: renew the lease if still ours, keep the broker from re-delivering the running
-# task's message (kombu's unacked index is scored by delivery time), and read the cancel flag.
-# A lease that lapsed (Redis slow or unreachable for longer than the lease) is taken again when
-# nobody else holds it and the job is still in this attempt: the attempt number is the fence.
-# KEYS: lease, job, unacked_index. ARGV: token, lease_ms, now_ms, delivery_tag, now_s, attempt
-HEARTBEAT_LUA = """
-local holder = redis.call('GET', KEYS[1])
-local mine = holder == ARGV[1]
-if not holder and redis.call('HGET', KEYS[2], 'attempts') == ARGV[6] then
-  local state = redis.call('HGET', KEYS[2], 'state')
-  if state == 'running' or state == 'cancelling' then
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    mine = true
-  end
-end
-if mine then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  redis.call('HSET', KEYS[2], 'heartbeat_ms', ARGV[3])
-  if ARGV[4] ~= '' then redis.call('ZADD', KEYS[3], 'XX', ARGV[5], ARGV[4]) end
-end
-local cancel = redis.call('HGET', KEYS[2], 'cancel_requested') or ''
-return {mine and 1 or 0, cancel}
-"""
-
-# Progress of the current attempt only. KEYS: job, events. ARGV: attempt, data, now_ms, maxlen
-PROGRESS_LUA = """
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'progress', ARGV[2], 'updated_ms', ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'type', 'progress', 'data', ARGV[2])
-return 1
-"""
-
-# KEYS: lease. ARGV: token
-RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
-# --- records and resources -------------------------------------------------------------------
-
-
-def decode(raw: dict[Any, Any]) -> dict[str, str]:
-    return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()
-    }
-
-
-def _json(rec: dict[str, str], field: str) -> Any:
-    value = rec.get(field)
-    return json.loads(value) if value else None
-
-
-def job_resource(rec: dict[str, str]) -> dict[str, Any]:
-    """The public view of a job record (``GET /v1/jobs/{id}``); never includes secrets or owner."""
-    req = json.loads(rec["request"])
-    state = rec["state"]
-    job_id = rec["id"]
-    webhook = req.get("webhook")
-    return {
-        "id": job_id,
-        "kind": rec["kind"],
-        "state": state,
-        "done": state in TERMINAL,
-        "source": req["source"],
-        "target": req.get("target"),
-        "options": req.get("options") or {},
-        "labels": req.get("labels") or {},
-        "webhook": _webhook_view(webhook, _json(rec, "webhook_delivery")) if webhook else None,
-        "max_runtime_seconds": req["max_runtime_seconds"],
-        "progress": _json(rec, "progress"),
-        "result": _json(rec, "result"),
-        "error": _json(rec, "error"),
-        "attempts": int(rec.get("attempts") or 0),
-        "created_at": iso(rec.get("created_ms")),
-        "started_at": iso(rec.get("started_ms")),
-        "updated_at": iso(rec.get("updated_ms")),
-        "finished_at": iso(rec.get("finished_ms")),
-        "links": {
-            "self": f"/v1/jobs/{job_id}",
-            "events": f"/v1/jobs/{job_id}/events",
-            "cancel": f"/v1/jobs/{job_id}/cancel",
-        },
-    }
-
-
-def _webhook_view(webhook: dict[str, Any], delivery: dict[str, Any] | None) -> dict[str, Any]:
-    delivery = delivery or {}
-    return {
-        "url": webhook["url"],
-        "attempts": int(delivery.get("attempts", 0)),
-        "last_status": delivery.get("last_status"),
-        "last_error": delivery.get("last_error"),
-        "delivered_at": iso(delivery.get("delivered_ms")),
-    }
-
-
-def new_record(
-    job_id: str,
-    *,
-    owner: str,
-    kind: str,
-    request: dict[str, Any],
-    webhook_secret: str | None,
-    created: int,
-    target_key: str | None = None,
-    scopes: list[str] | None,
-) -> dict[str, str]:
-    """A new job's record. ``scopes`` are the URI prefixes of the owner's key (None: every location),
-    which the worker's storage enforces on everything the job touches."""
-    rec = {
-        "id": job_id,
-        "owner": owner,
-        "scopes": json.dumps(scopes),
-        "kind": kind,
-        "state": "queued",
-        "request": json.dumps(request, separators=(",", ":"), sort_keys=True),
-        "created_ms": str(created),
-        "updated_ms": str(created),
-        "attempts": "0",
-        "delivery_tag": job_id,
-    }
-    if webhook_secret:
-        rec["webhook_secret"] = webhook_secret
-    if target_key:
-        rec["target_key"] = target_key
-    return rec
-
-
 class JobStore:
     """Synchronous access for the worker (the API has its own asynchronous calls in ``service.api_store``)."""
 
@@ -489,7 +150,7 @@ class JobStore:
             keys=[self.keys.job(job_id), self.keys.events(job_id)],
             args=[self.keys.p, job_id, ",".join(allowed), to, now_ms(), self.retention_ms, nbytes, fence, *flat],
         )
-        return _s(status) == "ok", _s(previous)
+        return as_str(status) == "ok", as_str(previous)
 
     def start_attempt(self, job_id: str, token: str, lease_seconds: float, max_attempts: int) -> list[str]:
         """Take the lease and start the next attempt (see START_LUA for the answers)."""
@@ -497,7 +158,7 @@ class JobStore:
             keys=[self.keys.lease(job_id), self.keys.job(job_id), self.keys.events(job_id)],
             args=[self.keys.p, job_id, token, int(lease_seconds * 1000), now_ms(), max_attempts],
         )
-        return [_s(x) for x in out]
+        return [as_str(x) for x in out]
 
     def is_current(self, job_id: str, attempt: int, token: str) -> bool:
         """True while ``attempt`` is the job's current attempt and its lease is held by ``token``
@@ -506,7 +167,7 @@ class JobStore:
         pipe.hget(self.keys.job(job_id), "attempts")
         pipe.get(self.keys.lease(job_id))
         current, holder = pipe.execute()
-        return current is not None and _s(current) == str(attempt) and (holder is None or _s(holder) == token)
+        return current is not None and as_str(current) == str(attempt) and (holder is None or as_str(holder) == token)
 
     def requeue(self, job_id: str, attempt: str, queue: str) -> bool:
         """Queue the job's stored message again if it is still in ``attempt`` with no live lease."""
@@ -536,7 +197,7 @@ class JobStore:
 
     def lease_holder(self, job_id: str) -> str | None:
         value = self.r.get(self.keys.lease(job_id))
-        return _s(value) if value is not None else None
+        return as_str(value) if value is not None else None
 
     def heartbeat(
         self, job_id: str, token: str, lease_seconds: float, delivery_tag: str, attempt: int = 0
@@ -548,7 +209,7 @@ class JobStore:
             keys=[self.keys.lease(job_id), self.keys.job(job_id), self.keys.unacked_index],
             args=[token, int(lease_seconds * 1000), int(now * 1000), delivery_tag, repr(now), str(attempt)],
         )
-        return bool(int(mine)), bool(_s(cancel))
+        return bool(int(mine)), bool(as_str(cancel))
 
     def orphans(self, *, quiet_ms: int, queues: tuple[str, ...], now: int | None = None) -> dict[str, str]:
         """Jobs that are not final yet nobody runs or will run: ``{job id: attempts}``.
@@ -561,7 +222,7 @@ class JobStore:
         now = now or now_ms()
         ids: set[str] = set()
         for state in ("running", "cancelling", "queued"):
-            ids.update(_s(m) for m in self.r.zrangebyscore(self.keys.global_state(state), "-inf", now - quiet_ms))
+            ids.update(as_str(m) for m in self.r.zrangebyscore(self.keys.global_state(state), "-inf", now - quiet_ms))
         if not ids:
             return {}
         ordered = sorted(ids)
@@ -574,11 +235,11 @@ class JobStore:
         found: dict[str, str] = {}
         for i, job_id in enumerate(ordered):
             leased, unacked, (state, attempts, beat, updated) = answers[3 * i : 3 * i + 3]
-            if leased or unacked is not None or state is None or _s(state) in TERMINAL:
+            if leased or unacked is not None or state is None or as_str(state) in TERMINAL:
                 continue
-            last = max(int(_s(beat or 0)), int(_s(updated or 0)))
+            last = max(int(as_str(beat or 0)), int(as_str(updated or 0)))
             if now - last >= quiet_ms:
-                found[job_id] = _s(attempts or "0")
+                found[job_id] = as_str(attempts or "0")
         if found:
             for queue in queues:
                 for message in self._scan_list(self.keys.queue(queue)):
@@ -593,20 +254,11 @@ class JobStore:
             if not chunk:
                 return
             for item in chunk:
-                yield _s(item)
+                yield as_str(item)
             start += batch
 
     def release_lease(self, job_id: str, token: str) -> None:
         self._release(keys=[self.keys.lease(job_id)], args=[token])
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def encode_field(value: Any) -> str:
-    """How a value is stored in a job's Redis hash: strings as they are, anything else as JSON."""
-    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 class AsyncJobStore:
@@ -653,7 +305,7 @@ class AsyncJobStore:
                 json.dumps(labels, separators=(",", ":")),
             ],
         )
-        return [_s(x) for x in out]
+        return [as_str(x) for x in out]
 
     async def get(self, job_id: str) -> dict[str, str] | None:
         rec = decode(await self.r.hgetall(self.keys.job(job_id)))
@@ -664,7 +316,7 @@ class AsyncJobStore:
             keys=[self.keys.job(job_id), self.keys.events(job_id)],
             args=[self.keys.p, job_id, owner, now_ms(), self.retention_ms, json.dumps(error)],
         )
-        return _s(status), _s(previous)
+        return as_str(status), as_str(previous)
 
     async def list(
         self,
@@ -700,7 +352,8 @@ class AsyncJobStore:
         batch = min(max(limit * 2, 20), 200)
         while len(found) < limit and scanned < scan_limit:
             start = "+" if position is None else "(" + position
-            ids = [_s(m) for m in await self.r.zrange(index, start, "-", desc=True, bylex=True, offset=0, num=batch)]
+            page = await self.r.zrange(index, start, "-", desc=True, bylex=True, offset=0, num=batch)
+            ids = [as_str(m) for m in page]
             if not ids:
                 return found, None
             pipe = self.r.pipeline(transaction=False)
@@ -724,7 +377,7 @@ class AsyncJobStore:
         return found, position
 
     async def idem_claim(self, key: str, fingerprint: str, pending_seconds: float) -> list[str]:
-        return [_s(x) for x in await self._claim(keys=[key], args=[fingerprint, int(pending_seconds * 1000)])]
+        return [as_str(x) for x in await self._claim(keys=[key], args=[fingerprint, int(pending_seconds * 1000)])]
 
     async def idem_complete(self, key: str, code: int, body: str, location: str, ttl_seconds: int) -> None:
         pipe = self.r.pipeline(transaction=True)

@@ -31,7 +31,7 @@ from ckptconv.core.errors import (
     StorageUnavailable,
     TargetTaken,
 )
-from ckptconv.core.jobstore import TERMINAL, job_resource, new_job_id, new_record, now_ms
+from ckptconv.core.job_records import TERMINAL, job_resource, new_job_id, new_record, now_ms
 from ckptconv.jobs.kinds import get_kind
 from service.deps import AppState, Authorized, IdempotencyKey, fingerprint, idempotency_record_key
 from service.idempotency import replay

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from ckptconv.core.jobstore import STATES
+from ckptconv.core.job_records import STATES
 from ckptconv.jobs.kinds import KINDS, JobKind
 from service.schemas.common import Problem, SourceRef, StrictModel, TargetRef
 

@@ -1,0 +1,139 @@
+"""A job's record: its states, ids and timestamps, the Redis hash fields, and the job resource.
+
+The record is one Redis hash (``{p}job:{id}``, see ``ckptconv.core.jobstore`` for the layout);
+this module turns a new job into its fields (``new_record``), fields back into text (``decode``,
+``as_str``), values into fields (``encode_field``) and a stored record into the resource the API
+returns (``job_resource``). It talks to no Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+EVENTS_MAXLEN = 500
+DURATION_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def new_job_id() -> str:
+    """Time-ordered, unguessable: 12 hex digits of milliseconds, then 80 random bits."""
+    return f"job_{now_ms():012x}{secrets.token_hex(10)}"
+
+
+def target_identity(uri: str) -> str:
+    """What two requests must agree on to name the same target: the canonical URI (as the API
+    records it) without trailing slashes, so that ``s3://b/out`` and ``s3://b/out/`` are one target."""
+    return uri.rstrip("/") or uri
+
+
+def iso(ms: str | int | None) -> str | None:
+    if ms in (None, ""):
+        return None
+    dt = datetime.fromtimestamp(int(ms) / 1000, UTC)
+    return dt.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def decode(raw: dict[Any, Any]) -> dict[str, str]:
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()
+    }
+
+
+def _json(rec: dict[str, str], field: str) -> Any:
+    value = rec.get(field)
+    return json.loads(value) if value else None
+
+
+def job_resource(rec: dict[str, str]) -> dict[str, Any]:
+    """The public view of a job record (``GET /v1/jobs/{id}``); never includes secrets or owner."""
+    req = json.loads(rec["request"])
+    state = rec["state"]
+    job_id = rec["id"]
+    webhook = req.get("webhook")
+    return {
+        "id": job_id,
+        "kind": rec["kind"],
+        "state": state,
+        "done": state in TERMINAL,
+        "source": req["source"],
+        "target": req.get("target"),
+        "options": req.get("options") or {},
+        "labels": req.get("labels") or {},
+        "webhook": _webhook_view(webhook, _json(rec, "webhook_delivery")) if webhook else None,
+        "max_runtime_seconds": req["max_runtime_seconds"],
+        "progress": _json(rec, "progress"),
+        "result": _json(rec, "result"),
+        "error": _json(rec, "error"),
+        "attempts": int(rec.get("attempts") or 0),
+        "created_at": iso(rec.get("created_ms")),
+        "started_at": iso(rec.get("started_ms")),
+        "updated_at": iso(rec.get("updated_ms")),
+        "finished_at": iso(rec.get("finished_ms")),
+        "links": {
+            "self": f"/v1/jobs/{job_id}",
+            "events": f"/v1/jobs/{job_id}/events",
+            "cancel": f"/v1/jobs/{job_id}/cancel",
+        },
+    }
+
+
+def _webhook_view(webhook: dict[str, Any], delivery: dict[str, Any] | None) -> dict[str, Any]:
+    delivery = delivery or {}
+    return {
+        "url": webhook["url"],
+        "attempts": int(delivery.get("attempts", 0)),
+        "last_status": delivery.get("last_status"),
+        "last_error": delivery.get("last_error"),
+        "delivered_at": iso(delivery.get("delivered_ms")),
+    }
+
+
+def new_record(
+    job_id: str,
+    *,
+    owner: str,
+    kind: str,
+    request: dict[str, Any],
+    webhook_secret: str | None,
+    created: int,
+    target_key: str | None = None,
+    scopes: list[str] | None,
+) -> dict[str, str]:
+    """A new job's record. ``scopes`` are the URI prefixes of the owner's key (None: every location),
+    which the worker's storage enforces on everything the job touches."""
+    rec = {
+        "id": job_id,
+        "owner": owner,
+        "scopes": json.dumps(scopes),
+        "kind": kind,
+        "state": "queued",
+        "request": json.dumps(request, separators=(",", ":"), sort_keys=True),
+        "created_ms": str(created),
+        "updated_ms": str(created),
+        "attempts": "0",
+        "delivery_tag": job_id,
+    }
+    if webhook_secret:
+        rec["webhook_secret"] = webhook_secret
+    if target_key:
+        rec["target_key"] = target_key
+    return rec
+
+
+def as_str(value: Any) -> str:
+    """A Redis reply (bytes or not) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def encode_field(value: Any) -> str:
+    """How a value is stored in a job's Redis hash: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
