@@ -27,18 +27,14 @@ from torch import nn
 
 from ckptconv.core.errors import SimulationError
 from ckptconv.engine.simulator import config as cfg
-from ckptconv.engine.simulator.layers import (
+from ckptconv.engine.simulator.feedforward import FeedForwardNetwork, SparseMoE
+from ckptconv.engine.simulator.layers import Attention, causal_mask, check_activation, make_norm
+from ckptconv.engine.simulator.positions import (
     AlibiBias,
-    Attention,
-    FeedForwardNetwork,
     FixedPositionEmbedding,
     LearnedPositionEmbedding,
     RelativePositionBias,
     RotaryHelper,
-    SparseMoE,
-    causal_mask,
-    check_activation,
-    make_norm,
 )
 
 

@@ -23,7 +23,8 @@ from torch import nn
 from ckptconv.core.errors import SimulationError
 from ckptconv.engine.simulator import config as cfg
 from ckptconv.engine.simulator.decoder import EmbeddingLayer, TransformerStack
-from ckptconv.engine.simulator.layers import Attention, FeedForwardNetwork, check_activation, make_norm, padding_mask
+from ckptconv.engine.simulator.feedforward import FeedForwardNetwork
+from ckptconv.engine.simulator.layers import Attention, check_activation, make_norm, padding_mask
 
 
 class EncoderLayer(nn.Module):

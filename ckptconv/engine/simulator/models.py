@@ -6,18 +6,17 @@ import torch
 from torch import nn
 
 from ckptconv.engine.simulator import config as cfg
+from ckptconv.engine.simulator.decoder import CsDecoderLM
+from ckptconv.engine.simulator.encoder import (
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertPretrainModel,
+)
+from ckptconv.engine.simulator.t5 import T5ForConditionalGeneration
 
 
 def model_class(class_name: str) -> type[nn.Module]:
-    from ckptconv.engine.simulator.decoder import CsDecoderLM
-    from ckptconv.engine.simulator.encoder import (
-        BertForQuestionAnswering,
-        BertForSequenceClassification,
-        BertForTokenClassification,
-        BertPretrainModel,
-    )
-    from ckptconv.engine.simulator.t5 import T5ForConditionalGeneration
-
     return {
         cfg.GPT2: CsDecoderLM,
         cfg.GPTJ: CsDecoderLM,

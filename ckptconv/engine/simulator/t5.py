@@ -22,7 +22,8 @@ from torch import nn
 from ckptconv.engine.simulator import config as cfg
 from ckptconv.engine.simulator.decoder import DecoderLayer, EmbeddingLayer, TransformerStack
 from ckptconv.engine.simulator.encoder import EncoderLayer
-from ckptconv.engine.simulator.layers import Attention, FeedForwardNetwork, causal_mask, make_norm, padding_mask
+from ckptconv.engine.simulator.feedforward import FeedForwardNetwork
+from ckptconv.engine.simulator.layers import Attention, causal_mask, make_norm, padding_mask
 
 
 class T5ForConditionalGeneration(nn.Module):

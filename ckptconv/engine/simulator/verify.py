@@ -27,9 +27,11 @@ import torch
 from ckptconv.core.errors import InvalidRequest, SimulationError
 from ckptconv.engine.cs_yaml import read_cs_yaml
 from ckptconv.engine.simulator import config as cfg
+from ckptconv.engine.simulator.checkpoint_io import open_checkpoint
 from ckptconv.engine.simulator.config import CsModelConfig, parse_model_config
 from ckptconv.engine.simulator.loading import load_model_state
 from ckptconv.engine.simulator.models import build_model
+from ckptconv.storage import is_local, local_path_of, open_storage, scratch
 
 DEFAULT_TOLERANCE = 1e-5
 # Models that convert but have no simulator model: verify reports them skipped, with the way on.
@@ -144,8 +146,6 @@ _HF_FILE_SUFFIXES = (".json", ".safetensors", ".bin")
 def local_hf_dir(uri: str) -> Iterator[str]:
     """``uri`` itself when local; an ``s3://`` prefix is copied (streamed, file by file) to a temporary
     directory first, because ``transformers`` loads from the filesystem only."""
-    from ckptconv.storage import is_local, local_path_of, open_storage, scratch
-
     if is_local(uri):
         yield local_path_of(uri)
         return
@@ -240,8 +240,6 @@ def verify(
     also be an already parsed config. Returns a JSON-able dict with
     ``passed`` and ``verdict``; never raises for a numeric mismatch (only for unusable inputs).
     """
-    from ckptconv.engine.simulator.checkpoint_io import open_checkpoint
-
     if tolerance < 0 or rtol < 0:
         raise InvalidRequest("tolerance and rtol must be non-negative")
     if model in NOT_SIMULATED:
