@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from ckptconv.core.errors import CkptconvError, RateLimited, ServiceUnavailable, TimeLimitExceeded
+from ckptconv.core.webhooks import verify
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -319,7 +320,5 @@ def verify_webhook(
     secret: str, headers: dict[str, str], body: bytes, *, tolerance_seconds: int = 300
 ) -> dict[str, Any]:
     """Check a completion webhook's Standard Webhooks signature; returns the parsed event."""
-    from ckptconv.core.webhooks import verify
-
     verify(secret, headers, body, tolerance_seconds=tolerance_seconds)
     return json.loads(body)

@@ -20,6 +20,7 @@ from fastapi import Request, Response
 
 from ckptconv.core.errors import CkptconvError, IdempotencyMismatch, IdempotentRequestInFlight
 from service.deps import AppState
+from service.problems import problem_response
 from service.schemas.common import PROBLEM_JSON
 
 PENDING_SECONDS = 600  # a claim outlives any request the API waits for
@@ -59,7 +60,6 @@ async def idempotent(
         if e.http_status >= 500:
             await state.store.idem_release(record_key)
             raise
-        from service.problems import problem_response
 
         response = problem_response(e, request.url.path, method=request.method)
     except BaseException:

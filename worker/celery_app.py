@@ -20,7 +20,12 @@ from celery.signals import worker_init, worker_process_init, worker_ready
 from kombu import Exchange, Queue
 
 from ckptconv.core.jobstore import JobStore, RedisKeys
+from ckptconv.core.scopes import NOTHING
 from ckptconv.core.settings import Settings, get_settings
+from ckptconv.formats.memory import bound_allocator
+from ckptconv.storage import scratch
+from ckptconv.storage.confined import set_default_scopes
+from worker.reaper import Reaper
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
@@ -72,28 +77,20 @@ def make_celery(settings: Settings | None = None) -> Celery:
 
 def _start_reaper(**_: Any) -> None:
     """Each worker's main process runs the reaper (see worker/reaper.py) beside its consumer."""
-    from worker.reaper import Reaper
-
     Reaper(store(), settings()).start()
 
 
 def _bound_allocator(**_: Any) -> None:
-    from ckptconv.formats.memory import bound_allocator
-
     bound_allocator()
 
 
 def _sweep_scratch(**_: Any) -> None:
     # Workers killed with SIGKILL on this host left their scratch files: remove them at start.
-    from ckptconv.storage import scratch
 
     scratch.sweep()
 
 
 def _confine_storage(**_: Any) -> None:
-    from ckptconv.core.scopes import NOTHING
-    from ckptconv.storage.confined import set_default_scopes
-
     set_default_scopes(NOTHING)
 
 

@@ -11,10 +11,13 @@ import json
 import sys
 
 from ckptconv.cli.kind_flags import add_kind_flags, dest, flag, flags_of, given_options, kind_options
-from ckptconv.cli.models import MODEL_FORM_FLAGS, model_conversion_arguments
+from ckptconv.cli.models import MODEL_FORM_FLAGS, model_conversion_arguments, output_dir_of, run_model_conversion
 from ckptconv.cli.output import ProgressBar, human_size, print_result
 from ckptconv.cli.run_kind import plan_kind, run_command
 from ckptconv.core.errors import InvalidRequest
+from ckptconv.engine.convert import inspect
+from ckptconv.engine.diff import diff_checkpoints
+from ckptconv.formats import FORMATS
 from ckptconv.jobs import LocalSettings
 
 SHARD_BY_HELP = (
@@ -87,8 +90,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ckptconv.engine.convert import inspect
-
     view = inspect(args.uri, source_format=args.source_format, allow_incomplete=args.allow_incomplete or None)
     if args.json:
         json.dump(view, sys.stdout, indent=2)
@@ -168,8 +169,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    from ckptconv.formats import FORMATS
-
     rows = [f.describe() for f in FORMATS.values()]
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
@@ -183,8 +182,6 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 def _convert_model_form(args: argparse.Namespace) -> int:
     """``convert --model M --src-fmt F --tgt-fmt G [--output-dir D] CKPT``: the model conversion."""
-    from ckptconv.cli.models import output_dir_of, run_model_conversion
-
     missing = [flag(n) for n in ("model", "src_fmt", "tgt_fmt") if not getattr(args, dest("convert-model", n))]
     if missing:
         raise InvalidRequest(
@@ -209,8 +206,6 @@ def _convert_model_form(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from ckptconv.engine.diff import diff_checkpoints
-
     bar = ProgressBar(not (args.no_progress or args.json))
     try:
         result = diff_checkpoints(

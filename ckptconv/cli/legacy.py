@@ -20,6 +20,8 @@ from typing import Any
 
 from ckptconv.cli.engine import SHARD_BY_HELP
 from ckptconv.cli.kind_flags import add_kind_flags
+from ckptconv.cli.main import main
+from ckptconv.cli.output import ProgressBar
 from ckptconv.cli.run_kind import run_command
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.jobs import LocalSettings
@@ -80,8 +82,6 @@ def _print_result(result: dict[str, Any], as_json: bool) -> None:
 
 
 def _convert_with_progress(args: argparse.Namespace, source: str, **context: Any) -> dict[str, Any]:
-    from ckptconv.cli.output import ProgressBar
-
     bar = ProgressBar(not args.no_progress)
     try:
         return run_command(args, "convert", source, progress=bar, **context)
@@ -112,15 +112,11 @@ def cmd_h5_to_tensorflow(args: argparse.Namespace) -> int:
 
 def tensorflow_to_h5() -> int:
     """Console script ``tensorflow-to-h5 saver_path h5_path``, the original utility's command line."""
-    from ckptconv.cli.main import main
-
     return main(["tensorflow-to-h5", *sys.argv[1:]])
 
 
 def h5_to_tensorflow() -> int:
     """Console script ``h5-to-tensorflow h5_path saver_path``, the original utility's command line."""
-    from ckptconv.cli.main import main
-
     return main(["h5-to-tensorflow", *sys.argv[1:]])
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from ckptconv import __version__
 from ckptconv.core.errors import CkptconvError
+from ckptconv.formats.memory import bound_allocator
 
 # Exit statuses: 0 success, 1 a command's negative answer (`diff`: they differ), 2 a typed error,
 # 70 (BSD's EX_SOFTWARE) an unexpected exception, that is a bug, 130 interrupted.
@@ -48,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from ckptconv.formats.memory import bound_allocator
 
     bound_allocator()  # before any thread starts: see ckptconv.formats.memory
     try:

@@ -16,6 +16,8 @@ from ckptconv.cli.kind_flags import add_kind_flags, kind_options
 from ckptconv.cli.output import ProgressBar, print_result
 from ckptconv.cli.run_kind import run_kind
 from ckptconv.core.errors import InvalidRequest
+from ckptconv.engine.layouts.api import convert_config, open_model_source, plan_model
+from ckptconv.engine.layouts.registry import describe_model, list_models
 from ckptconv.jobs.convert_model import layout_options
 
 
@@ -88,8 +90,6 @@ def _classes(m: dict[str, Any]) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ckptconv.engine.layouts.registry import describe_model, list_models
-
     if args.name and args.name.lower() != "all":
         view = describe_model(args.name)
         if args.hide_notes:
@@ -144,8 +144,6 @@ def cmd_convert_model(args: argparse.Namespace) -> int:
 def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> int:
     options = kind_options(args, "convert-model")
     if args.dry_run or args.debug:
-        from ckptconv.engine.layouts.api import open_model_source, plan_model
-
         src = open_model_source(args.source, options.model, options.src_fmt)
         try:
             plan = plan_model(src, **layout_options(options))
@@ -175,8 +173,6 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
 
 
 def cmd_convert_config(args: argparse.Namespace) -> int:
-    from ckptconv.engine.layouts.api import convert_config
-
     out = convert_config(
         args.config,
         model=args.model,

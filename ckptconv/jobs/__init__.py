@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.jobs.kinds import JobKind, get_kind
+from ckptconv.storage import open_storage
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,6 @@ def plan(ctx: JobContext) -> dict[str, Any]:
 
 def describe_outputs(uris: list[str], role: str = "data") -> list[dict[str, Any]]:
     """``[{uri, size, sha256, role}]`` of files a handler wrote without the engine (which checksums its own)."""
-    from ckptconv.storage import open_storage
-
     out = []
     for uri in uris:
         storage = open_storage(uri)

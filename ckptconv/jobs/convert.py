@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.errors import CkptconvError
+from ckptconv.engine.convert import convert, plan_conversion
+from ckptconv.engine.run import discard_staging
 from ckptconv.jobs import JobContext
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.convert import convert
-
     assert ctx.target is not None  # the kind requires a target; the API validated it
     result = convert(
         ctx.source["uri"],
@@ -51,8 +51,6 @@ def run_part(ctx: JobContext, index: int) -> None:
 
 
 def plan(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.convert import plan_conversion
-
     assert ctx.target is not None
     doc = plan_conversion(
         ctx.source["uri"],
@@ -70,8 +68,6 @@ def plan(ctx: JobContext) -> dict[str, Any]:
 
 def cleanup(ctx: JobContext) -> None:
     """Remove the staging area a lost worker may have left for this job."""
-    from ckptconv.engine.run import discard_staging
-
     if ctx.target is None or ctx.job_id is None:
         return
     discard_staging(ctx.target["uri"], ctx.job_id)

@@ -7,7 +7,10 @@ from typing import Any
 
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.core.uri import parent
+from ckptconv.engine.layouts.api import convert_model, open_model_source, output_target, plan_model, planned_target
+from ckptconv.engine.run import discard_staging
 from ckptconv.jobs import JobContext
+from ckptconv.storage import is_local, local_path_of
 
 
 def _target(ctx: JobContext) -> tuple[str | None, bool]:
@@ -39,8 +42,6 @@ def layout_options(o: Any) -> dict[str, Any]:
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.layouts.api import convert_model
-
     out_dir, safetensors = _target(ctx)
     result = convert_model(
         ctx.source["uri"],
@@ -62,9 +63,6 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
 def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:
     """Compare the Hugging Face side with the simulator's model of the Cerebras side of a conversion."""
-    from ckptconv.engine.simulator.verify import verify
-    from ckptconv.storage import is_local, local_path_of
-
     o = ctx.options
     if o.tgt_fmt == "hf":
         hf, cs_ckpt, cs_cfg = result.target, ctx.source["uri"], o.config
@@ -78,12 +76,13 @@ def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:
         hf = os.path.dirname(local_path_of(hf))
     elif not is_local(hf) and hf.endswith((".safetensors", ".bin", ".json")):
         hf = parent(hf)
+    # Deferred: the simulator loads torch, which the API and the CLI parser never need.
+    from ckptconv.engine.simulator.verify import verify
+
     return verify(hf, cs_ckpt, cs_cfg, o.model)
 
 
 def plan(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.layouts.api import open_model_source, plan_model, planned_target
-
     out_dir, _ = _target(ctx)
     o = ctx.options
     src = open_model_source(ctx.source["uri"], o.model, o.src_fmt, ctx.source.get("format"))
@@ -100,9 +99,6 @@ def plan(ctx: JobContext) -> dict[str, Any]:
 
 def cleanup(ctx: JobContext) -> None:
     """Remove the staging area a lost worker may have left for this job."""
-    from ckptconv.engine.layouts.api import output_target
-    from ckptconv.engine.run import discard_staging
-
     if ctx.job_id is None:
         return
     out_dir, _ = _target(ctx)

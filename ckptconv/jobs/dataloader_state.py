@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.errors import InvalidRequest
+from ckptconv.engine.legacy.dataloader_state import convert_dataloader_state
+from ckptconv.engine.run import discard_staging
 from ckptconv.jobs import JobContext
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.legacy.dataloader_state import convert_dataloader_state
-
     assert ctx.target is not None  # the kind requires a target; the API validated it
     if ctx.target.get("format") != "cs-h5":
         raise InvalidRequest(f"dataloader-state writes a cs-h5 checkpoint, not {ctx.target.get('format')}")
@@ -29,8 +29,6 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
 def cleanup(ctx: JobContext) -> None:
     """Remove the staging area a lost worker may have left for this job."""
-    from ckptconv.engine.run import discard_staging
-
     if ctx.target is None or ctx.job_id is None:
         return
     discard_staging(ctx.target["uri"], ctx.job_id)

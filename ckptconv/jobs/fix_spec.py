@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.errors import InvalidRequest
+from ckptconv.engine.legacy.fix_spec import fix_checkpoint_spec
 from ckptconv.jobs import JobContext, describe_outputs, report_stage
 
 
@@ -17,8 +18,6 @@ def _output(ctx: JobContext) -> str | None:
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
-    from ckptconv.engine.legacy.fix_spec import fix_checkpoint_spec
-
     report_stage(ctx, "repairing")
     report = fix_checkpoint_spec(ctx.source["uri"], _output(ctx), inplace=ctx.local.inplace)
     return {

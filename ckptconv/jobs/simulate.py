@@ -8,6 +8,7 @@ from ckptconv.jobs import JobContext, describe_outputs, report_stage
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
+    # Deferred: the simulator loads torch, which the API and the CLI parser never need.
     from ckptconv.engine.simulator.trainer import simulate
 
     o = ctx.options

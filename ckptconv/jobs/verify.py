@@ -12,6 +12,7 @@ SUMMARY = ("verdict", "passed", "max_abs_diff", "max_rel_diff", "cosine_similari
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
+    # Deferred: the simulator loads torch, which the API and the CLI parser never need.
     from ckptconv.engine.simulator.verify import verify
 
     o = ctx.options

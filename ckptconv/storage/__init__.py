@@ -18,6 +18,7 @@ from ckptconv.core.errors import InvalidRequest
 from ckptconv.core.uri import check_relative, confine, is_local, is_s3, join, local_path_of, scheme_of, split_s3
 from ckptconv.storage.base import ObjectInfo, RangeReader, Storage, Writer
 from ckptconv.storage.confined import confine_storage
+from ckptconv.storage.local import LocalStorage
 
 __all__ = [
     "ObjectInfo",
@@ -76,12 +77,11 @@ def open_storage(uri: str) -> Storage:
         storage = _instances.get(key)
         if storage is None:
             if scheme == "s3":
+                # Deferred: the S3 backend imports boto3, loaded only for the first s3:// URI.
                 from ckptconv.storage.s3 import S3Storage
 
                 storage = S3Storage()
             else:
-                from ckptconv.storage.local import LocalStorage
-
                 storage = LocalStorage()
             _instances[key] = storage
     return confine_storage(storage)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ckptconv.core.errors import ObjectNotFound
+
 BLOCK_SIZE = 8 << 20
 
 
@@ -93,8 +95,6 @@ class Storage(abc.ABC):
         """Size and etag of one object; ObjectNotFound if absent."""
 
     def exists(self, uri: str) -> bool:
-        from ckptconv.core.errors import ObjectNotFound
-
         try:
             self.stat(uri)
         except ObjectNotFound:

@@ -49,6 +49,7 @@ class PartUpload:
         overwrite: bool = False,
         upload_id: str | None = None,
     ) -> None:
+        # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
         from ckptconv.storage.s3 import MAX_PART_SIZE, MIN_PART_SIZE
 
         if part_size < MIN_PART_SIZE or part_size > MAX_PART_SIZE:
@@ -82,6 +83,7 @@ class PartUpload:
         return self._upload_id
 
     def _size_of_group(self, group: int) -> int:
+        # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
         from ckptconv.storage.s3 import MAX_PART_SIZE
 
         return min(self.part_size << group, MAX_PART_SIZE)
@@ -130,6 +132,7 @@ class PartUpload:
                 self._open[number] = (buf, filled)
 
     def _send(self, number: int, body: bytearray | memoryview) -> None:
+        # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
         from ckptconv.storage.s3 import MAX_PARTS
 
         if number > MAX_PARTS:

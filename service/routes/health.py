@@ -12,6 +12,7 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel
 
 from ckptconv.core.errors import ServiceUnavailable
+from ckptconv.storage import open_storage
 from service import metrics
 from service.deps import State
 from service.schemas.common import problem_responses
@@ -102,8 +103,6 @@ async def _persistence_problem(redis: Any) -> str | None:
 
 
 def _probe_storage(uri: str) -> None:
-    from ckptconv.storage import open_storage
-
     for _ in open_storage(uri).list(uri):
         break
 

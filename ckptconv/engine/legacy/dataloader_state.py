@@ -33,9 +33,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import DataloaderStateError, ObjectNotFound
-from ckptconv.engine.plan import Plan, Step
+from ckptconv.engine.legacy.fix_spec import tied_partner
+from ckptconv.engine.plan import Plan, Step, identity_plan
+from ckptconv.engine.run import run_plan
 from ckptconv.formats.base import Entry
+from ckptconv.formats.detect import open_source
 from ckptconv.formats.tree import DICT, ODICT, TreeSpec, flat_dict_spec, flatten
+from ckptconv.storage import open_storage
 
 if TYPE_CHECKING:
     from ckptconv.engine.run import ConvertResult
@@ -137,8 +141,6 @@ def read_dataloader_state(
     if dataloader_type not in (MAP, ITERABLE):
         dataloader_state({}, dataloader_type)  # raises the typed error
     if storage is None:
-        from ckptconv.storage import open_storage
-
         storage = open_storage(iter_dir)
     _, samples = read_worker_samples(storage, iter_dir)
     return dataloader_state(samples, dataloader_type, shuffle_seed)
@@ -219,10 +221,6 @@ def convert_dataloader_state(
     has a ``dataloader`` key is refused. ``run_options`` (``progress``, ``cancelled``, ``job_id``) go to
     :func:`ckptconv.engine.run.run_plan`.
     """
-    from ckptconv.engine.plan import identity_plan
-    from ckptconv.engine.run import run_plan
-    from ckptconv.formats.detect import open_source
-
     state = read_dataloader_state(iter_dir, dataloader_type, shuffle_seed)
     src = open_source(old_checkpoint)
     try:
@@ -262,8 +260,6 @@ def convert_dataloader_state(
 
 def _refuse_unfixed(old_checkpoint: str, entries: list[Entry]) -> None:
     """Refuse a legacy checkpoint whose tree spec lists keys the file lacks (they would be written as None)."""
-    from ckptconv.engine.legacy.fix_spec import tied_partner
-
     missing = [e.key for e in entries if e.meta.get("missing")]
     if not missing:
         return

@@ -39,11 +39,14 @@ from urllib.parse import quote
 from ckptconv.core.errors import (
     CorruptCheckpoint,
     InvalidRequest,
+    ObjectNotFound,
     SpecRepairError,
     TargetExists,
     UnsupportedFormat,
 )
+from ckptconv.formats import restricted_pickle
 from ckptconv.formats.tree import DICT, LIST, ODICT, TUPLE, TreeSpec
+from ckptconv.storage import open_storage
 
 TIED_SUFFIXES: tuple[tuple[str, str], ...] = (
     ("embedding_layer.word_embeddings.weight", "lm_head.weight"),
@@ -181,8 +184,6 @@ def spec_pickle_hex(spec: TreeSpec) -> str:
 
 
 def _read_spec(raw: Any, path: str) -> tuple[TreeSpec, bool]:
-    from ckptconv.formats import restricted_pickle
-
     if isinstance(raw, bytes):
         raw = raw.decode("ascii", "replace")
     if not isinstance(raw, str):
@@ -201,8 +202,6 @@ def _read_spec(raw: Any, path: str) -> tuple[TreeSpec, bool]:
 
 
 def _local(path: str) -> str:
-    from ckptconv.storage import open_storage
-
     local = open_storage(path).local_path(path)
     if local is None:
         raise InvalidRequest(
@@ -332,8 +331,6 @@ def fix_checkpoint_spec(path: str, output: str | None = None, *, inplace: bool =
         raise InvalidRequest("give an output path or inplace, not both")
     src = _local(path)
     if not os.path.isfile(src):
-        from ckptconv.core.errors import ObjectNotFound
-
         raise ObjectNotFound(f"no checkpoint at {path}")
     final = src if inplace else _local(output or default_fixed_path(path))
     if not inplace and os.path.lexists(final):
