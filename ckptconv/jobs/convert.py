@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.errors import CkptconvError
-from ckptconv.engine.convert import convert, plan_conversion
+from ckptconv.engine.convert import convert, convert_part, plan_conversion
 from ckptconv.engine.run import discard_staging
 from ckptconv.jobs import JobContext
 
@@ -34,8 +34,6 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
 def run_part(ctx: JobContext, index: int) -> None:
     """One part of a conversion ``run`` fanned out (``parallelism`` > 1)."""
-    from ckptconv.engine.convert import convert_part
-
     assert ctx.target is not None
     convert_part(
         ctx.source["uri"],
