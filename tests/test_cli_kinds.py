@@ -4,9 +4,12 @@ flag, every default is the model's, and an option added to a model is a flag wit
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Literal
 
 import pytest
+import torch
 from pydantic import Field
 
 from ckptconv.cli.kind_flags import ALIASES, add_kind_flags, dest, flags_of, kind_options
@@ -142,3 +145,35 @@ def test_a_models_own_check_keeps_its_typed_error(capsys: pytest.CaptureFixture[
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "[unknown_model]" in err and "ckptconv models" in err
+
+
+def test_local_switches_reach_the_handler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # What only a local run offers goes to the same handler a worker runs, as ctx.local.
+    import yaml
+    from safetensors.torch import save_file
+    from test_simulator_trainer import config
+
+    src = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}, src)
+    base = ["convert", src, "--to", "cs-h5", "--json", "--no-progress"]
+    assert main([*base[:2], str(tmp_path / "a.mdl"), *base[2:], "--no-verify"]) == 0
+    assert json.loads(capsys.readouterr().out)["verify"]["skipped"] is True
+    assert main([*base[:2], str(tmp_path / "b.mdl"), *base[2:], "--full-verify"]) == 0
+    assert json.loads(capsys.readouterr().out)["verify"]["mode"] == "full"
+
+    cfg = tmp_path / "params.yaml"
+    cfg.write_text(yaml.safe_dump(config(checkpoint={"steps": 2}, max_steps=9)))
+    argv = ["simulate", "--config", str(cfg), "--model-dir", str(tmp_path / "run"), "--stop-after", "3", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["interrupted"] and result["global_step"] == 3
+    assert [o["uri"].rsplit("/", 1)[-1] for o in result["outputs"]] == ["checkpoint_2.mdl"]
+
+
+def test_original_switches_set_the_models_values() -> None:
+    args = build_parser().parse_args([*COMMANDS["verify"], "--non-strict"])
+    options = kind_options(args, "verify")
+    assert options.strict is False and options.fail_on_mismatch is False  # the exit status is the verdict
+    args = build_parser().parse_args([*COMMANDS["convert-model"], "--no-fold-mup", "--hf-shard-size", "2GB"])
+    options = kind_options(args, "convert-model")
+    assert options.fold_mup is False and options.hf_shard_size == "2GB"
