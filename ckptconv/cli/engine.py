@@ -196,7 +196,7 @@ def _convert_model_form(args: argparse.Namespace) -> int:
         "--allow-incomplete": args.allow_incomplete,
     }
     stray = [flags_of("convert", n) for n in given_options(args, "convert")]
-    stray += [flag for flag, value in container.items() if value not in (None, False)]
+    stray += [name for name, value in container.items() if value not in (None, False)]
     if stray:
         raise InvalidRequest(
             f"{', '.join(stray)} belong to a container conversion, not a model conversion",
