@@ -10,13 +10,17 @@ case as its own process with its peak RSS:
 - ckptconv s3 safetensors -> local cs-h5 (against the download);
 - ckptconv local safetensors -> s3 cs-h5 (against the upload);
 - ckptconv s3 safetensors -> s3 cs-h5 and s3 cs-h5 -> s3 safetensors (against download + upload);
-- the Llama layout s3 hf -> s3 cs-2.9 with ``convert-model`` (against download + upload).
+- the Llama layout s3 hf -> s3 cs-2.9 with ``convert-model`` (against download + upload);
+- one job fanned out (``parallelism`` N) over N worker processes of a private service (Redis, the
+  API and the workers on loopback), s3 safetensors -> s3 cs-h5, for N = 1, 2, 4
+  (``--fanout-workers``); wall time from submit to the job's end, the largest worker peak RSS.
 
 The page cache is dropped before each case when the machine allows it (root). Never measure
 throughput on moto: it reads a whole object for every ranged GET.
 
     python -m bench.s3_bench [--size 1GB] [--shard-size 512MB] [--workdir .bench] [--json]
     python -m bench.s3_bench --read-concurrency 1   # ckptconv's reads one request at a time
+    python -m bench.s3_bench --fanout-workers ""    # without the fanned-out cases
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from bench.convert_bench import _numel, drop_caches, generate_in_child, llama_shapes, parse_size, run_measured
 from bench.ports import free_port
+from bench.workers import Service
 
 ROOT = Path(__file__).resolve().parent.parent
 S3RVER_VERSION = "3.7.1"
@@ -99,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size", default="512MB", help="source shard size (default 512MB)")
     ap.add_argument("--workdir", default=str(ROOT / ".bench"), help="where files go (default .bench/)")
     ap.add_argument("--read-concurrency", type=int, help="ckptconv's parallel ranged GETs (default: its own)")
+    ap.add_argument("--fanout-workers", default="1,2,4", help="worker counts of the fanned-out cases (default 1,2,4)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = ap.parse_args(argv)
+    fanout = [int(n) for n in args.fanout_workers.split(",") if n.strip()]
 
     size = parse_size(args.size)
     work = Path(args.workdir).resolve()
@@ -162,6 +169,23 @@ def main(argv: list[str] | None = None) -> int:
             wall, peak = run_measured(cmd)
             results.append({"case": name, "wall_s": wall, "peak_rss": peak, "baseline": baseline})
             print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB", flush=True)
+        if fanout:
+            service = Service(work / "service-logs", dict(os.environ))
+            try:
+                for n in fanout:
+                    name = f"fan-out s3 st -> s3 cs-h5, {n} worker{'s' if n > 1 else ''}"
+                    drop_caches()
+                    wall, peak = service.run(
+                        f"{s3}/src/model.safetensors.index.json",
+                        f"{s3}/fan{n}/model.mdl",
+                        to="cs-h5",
+                        workers=n,
+                        parallelism=n,
+                    )
+                    results.append({"case": name, "wall_s": wall, "peak_rss": peak, "baseline": "down+up"})
+                    print(f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB", flush=True)
+            finally:
+                service.stop()
     finally:
         server.terminate()
         server.wait()
@@ -178,12 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         f" {largest / 1e6:.0f} MB; S3: s3rver {S3RVER_VERSION} on loopback; page cache"
         f" {'dropped' if dropped else 'NOT dropped (not root)'} before each case"
     )
-    print(f"{'case':<38} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'peak RSS':>9}")
+    print(f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'peak RSS':>9}")
     for r in results:
         b = r["baseline"]
         ratio = f"{r['wall_s'] / base[b]:>5.2f}x" if b else ""
         print(
-            f"{r['case']:<38} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
+            f"{r['case']:<44} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
             f" {r['peak_rss'] / 1e6:>7.0f}MB"
         )
     print(f"RSS target (2 x largest tensor + 300 MB): {(2 * largest + 300e6) / 1e6:.0f} MB")

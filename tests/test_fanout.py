@@ -180,3 +180,30 @@ def test_formats_without_a_known_layout_refuse_parallelism(tmp_path: Path) -> No
     source = _source(tmp_path, "safetensors")
     with pytest.raises(InvalidRequest, match="parallelism > 1"):
         convert(source, str(tmp_path / "x.bin"), to="torch", parallelism=2)
+
+
+def test_a_layout_conversion_fans_out_to_the_single_worker_bytes(tmp_path: Path, s3_bucket) -> None:
+    import transformers
+
+    from ckptconv.engine.layouts.api import convert_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")  # about 25 MB
+    args = {"model": "llama", "src_fmt": "hf", "tgt_fmt": "cs-2.9"}
+    one = convert_model(str(tmp_path / "hf"), f"s3://{s3_bucket}/one", **args)
+    two = convert_model(str(tmp_path / "hf"), f"s3://{s3_bucket}/two", parallelism=2, job_id="fan-layout", **args)
+    assert two.extras["parallelism"] == 2
+    assert [o.role for o in two.outputs] == [o.role for o in one.outputs] == ["data", "config"]
+    assert [_sha(o.uri) for o in two.outputs] == [_sha(o.uri) for o in one.outputs]
+    assert [o.sha256 for o in two.outputs] == [_sha(o.uri) for o in two.outputs]
+    assert two.verify["ok"] is True and two.verify["entries_checked"] == one.verify["entries_checked"]
+    assert _uploads(s3_bucket) == []

@@ -69,6 +69,9 @@ ALIASES: dict[tuple[str, str], Alias] = {
     ("verify", "strict"): Alias(switches=(("--non-strict", False),)),
     # The command's exit status is the verdict (1 on a mismatch), so a mismatch is not an error there.
     ("verify", "fail_on_mismatch"): Alias(preset=False),
+    # The command line converts in its own process: parts fanned out to workers are the service's.
+    ("convert", "parallelism"): Alias(preset=1),
+    ("convert-model", "parallelism"): Alias(preset=1),
     ("dataloader-state", "iter_dir"): Alias(flags=("--worker_data_iter_files_dir", "-w")),
     # The original script took any type name and refused an unknown one with its own error.
     ("dataloader-state", "dataloader_type"): Alias(flags=("--dataloader_type", "-d"), engine_checks=True),

@@ -262,6 +262,7 @@ def _prepare(
     to: str,
     parallelism: int,
     sink_options: dict[str, Any],
+    extra_files: dict[str, bytes],
 ) -> dict[str, Any]:
     storage = layout.storage
     options = {k: v for k, v in sink_options.items() if v is not None}
@@ -292,6 +293,10 @@ def _prepare(
     except BaseException:
         sink.abort()
         raise
+    for rel, data in extra_files.items():  # written whole, as a single-worker run writes them
+        uri = storage.join(layout.staging, rel)
+        storage.write_bytes(uri, data)
+        side.append(OutputFile(uri, len(data), hashlib.sha256(data).hexdigest(), "config"))
     layouts = [f for f, _ in files]
     remote = storage.local_path(layout.sink_uri) is None
     total = sum(f.size for f in layouts)
@@ -459,6 +464,7 @@ def run_fanout(
     parallelism: int,
     runner: PartRunner | None = None,
     sink_options: dict[str, Any] | None = None,
+    extra_files: dict[str, bytes] | None = None,
     staging: str | None = None,
     progress: ProgressFn | None = None,
     cancelled: CancelFn | None = None,
@@ -467,7 +473,8 @@ def run_fanout(
     extras: dict[str, Any] | None = None,
 ) -> ConvertResult:
     """Run ``plan`` as ``parallelism`` parts (see the module docstring); the result is the same
-    files, byte for byte, that a single worker writes with the same sink options."""
+    files, byte for byte, that a single worker writes with the same sink options (``extra_files``
+    as :func:`~ckptconv.engine.run.run_plan` takes them)."""
     check_format(to)
     if to not in FANOUT_FORMATS:
         raise InvalidRequest(
@@ -489,7 +496,15 @@ def run_fanout(
     t0 = time.monotonic()
     count = 0
     try:
-        doc = _prepare(plan, src, layout, to=to, parallelism=parallelism, sink_options=sink_options or {})
+        doc = _prepare(
+            plan,
+            src,
+            layout,
+            to=to,
+            parallelism=parallelism,
+            sink_options=sink_options or {},
+            extra_files=extra_files or {},
+        )
         count = len(doc["parts"])
         reporter.stage("converting", plan.tensors_total, sum(f["size"] for f in doc["files"]))
         runner.dispatch(count)

@@ -7,7 +7,14 @@ from typing import Any
 
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.core.uri import parent
-from ckptconv.engine.layouts.api import convert_model, open_model_source, output_target, plan_model, planned_target
+from ckptconv.engine.layouts.api import (
+    convert_model,
+    convert_model_part,
+    open_model_source,
+    output_target,
+    plan_model,
+    planned_target,
+)
 from ckptconv.engine.run import discard_staging
 from ckptconv.jobs import JobContext
 from ckptconv.storage import is_local, local_path_of
@@ -41,17 +48,23 @@ def layout_options(o: Any) -> dict[str, Any]:
     }
 
 
-def run(ctx: JobContext) -> dict[str, Any]:
+def _job_arguments(ctx: JobContext) -> dict[str, Any]:
+    """What both the whole conversion and each of its parts pass to the engine."""
     out_dir, safetensors = _target(ctx)
-    result = convert_model(
-        ctx.source["uri"],
-        out_dir,
-        export_safetensors=safetensors,
-        hf_shard_size=ctx.options.hf_shard_size,
-        progress=ctx.progress,
-        cancelled=ctx.cancelled,
-        job_id=ctx.job_id,
+    return {
+        "dst": out_dir,
+        "export_safetensors": safetensors,
+        "hf_shard_size": ctx.options.hf_shard_size,
+        "cancelled": ctx.cancelled,
+        "job_id": ctx.job_id,
+        "parts": ctx.parts,
         **layout_options(ctx.options),
+    }
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    result = convert_model(
+        ctx.source["uri"], progress=ctx.progress, parallelism=ctx.options.parallelism, **_job_arguments(ctx)
     )
     doc = result.to_dict()
     if ctx.options.verify:
@@ -59,6 +72,11 @@ def run(ctx: JobContext) -> dict[str, Any]:
         if not doc["simulator"].get("passed"):
             doc.setdefault("warnings", []).append(f"simulator verdict: {doc['simulator'].get('verdict')}")
     return doc
+
+
+def run_part(ctx: JobContext, index: int) -> None:
+    """One part of a model conversion ``run`` fanned out (``parallelism`` > 1)."""
+    convert_model_part(ctx.source["uri"], index=index, **_job_arguments(ctx))
 
 
 def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:

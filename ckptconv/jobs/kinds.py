@@ -111,6 +111,16 @@ def _is_uri_field(annotation: Any, metadata: list[Any]) -> bool:
 # --- the kinds -------------------------------------------------------------------------------
 
 MAX_PARALLELISM = 256  # parts of one job; each is a message, a lease and a record in staging
+Parallelism = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=MAX_PARALLELISM,
+        description="split the conversion into this many parts, balanced by output bytes, run by as many workers"
+        " and committed together (safetensors and cs-h5 targets; a cs-h5 output is then written contiguous,"
+        " uncompressed). The output is byte for byte the single-worker output",
+    ),
+]
 
 # Casting applies to floating-point tensors only, so only floating-point dtypes are offered.
 FloatDtype = Literal[tuple(d for d in DTYPE_SIZES if d.startswith(("float", "bfloat")))]  # type: ignore[valid-type]
@@ -148,14 +158,7 @@ class ConvertOptions(KindOptions):
         examples=["4GB"],
     )
 
-    parallelism: int = Field(
-        default=1,
-        ge=1,
-        le=MAX_PARALLELISM,
-        description="split the conversion into this many parts, balanced by output bytes, run by as many workers"
-        " and committed together (safetensors and cs-h5 targets; a cs-h5 output is then written contiguous,"
-        " uncompressed). The output is byte for byte the single-worker output",
-    )
+    parallelism: Parallelism = 1
 
     @field_validator("shard_size", "memory_budget")
     @classmethod
@@ -207,6 +210,7 @@ class ConvertModelOptions(KindOptions):
     fold_mup: bool = Field(
         default=True, description="fold muP into standard parametrization on export (off: refuse muP checkpoints)"
     )
+    parallelism: Parallelism = 1
     verify: bool = Field(
         default=False,
         description="also compare logits of the Hugging Face side and the simulator's model of the Cerebras side; "

@@ -20,8 +20,10 @@ import functools
 import posixpath
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.errors import InvalidRequest
 from ckptconv.core.uri import basename, parent
 from ckptconv.engine.cs_yaml import dump_cs_yaml
 from ckptconv.engine.layouts import upgrades
@@ -37,6 +39,7 @@ from ckptconv.engine.plan import Plan
 if TYPE_CHECKING:  # for annotations only: planning and listing never load the runner
     from ckptconv.engine.execute import Progress
     from ckptconv.engine.run import ConvertResult
+    from ckptconv.formats.base import TensorSource
 
 DEFAULT_HF_SHARD_SIZE = "10GB"
 
@@ -198,6 +201,72 @@ def plan_model(
             source.close()
 
 
+@dataclass
+class ModelOutput:
+    """What a model conversion writes, all of it from the source's metadata and config (so every
+    part of a fanned-out conversion derives the same plan and names)."""
+
+    plan: Plan
+    to: str
+    target: str
+    sink_options: dict[str, Any]
+    extra_files: dict[str, bytes]
+    extras: dict[str, Any]
+    sink_factory: Callable[..., Any] | None = None
+    reopen: Callable[..., Any] | None = None
+
+
+def model_output(
+    source: TensorSource,
+    dst: str | None,
+    *,
+    model: str,
+    src_fmt: str,
+    tgt_fmt: str,
+    config: str | Mapping[str, Any] | None = None,
+    drop_unmatched_keys: bool = False,
+    export_safetensors: bool = False,
+    hf_shard_size: int | str | None = DEFAULT_HF_SHARD_SIZE,
+    fold_lora: bool = False,
+    fold_mup: bool = True,
+) -> ModelOutput:
+    """The plan, target, sink options and extra files of converting ``source`` (see convert_model)."""
+    doc, cfg_uri = _config_for(source, config, src_fmt)
+    req = _request(
+        model,
+        src_fmt,
+        tgt_fmt,
+        {"drop_unmatched_keys": drop_unmatched_keys, "fold_lora": fold_lora, "fold_mup": fold_mup},
+    )
+    plan, conf = build_plan(source, doc, req)
+    _warn_unmapped_config_keys(plan, conf)
+    tgt_node = plan.extras["target_format"]
+    target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
+    components = plan.extras.get("components")
+    if tgt_node == "hf":
+        to = "safetensors" if export_safetensors else "torch"
+        # The Model Zoo always writes shard names and an index, even for one shard.
+        sink_options: dict[str, Any] = {"shard_size": hf_shard_size, "always_sharded": True}
+        config_bytes = dump_hf_json(conf.target)
+    else:
+        to = "cs-h5"
+        sink_options = {"cstorch_version": f"{upgrades.release_of(tgt_node)}.0"}
+        config_bytes = dump_cs_yaml(conf.target)
+        if export_safetensors:
+            plan.warnings.append("--export-safetensors applies to Hugging Face outputs only; ignored")
+    extras = {k: v for k, v in plan.extras.items() if k not in ("config_ignored_keys", "components")}
+    out = ModelOutput(plan, to, target, sink_options, {cfg_rel: config_bytes}, {"model_conversion": extras})
+    if components:  # several model directories in one output (DPR's encoders, LLaVA's parts)
+        from ckptconv.formats.components import ComponentSink, ComponentSource
+
+        found = planner_of(model)
+        assert found is not None  # only a composite model's plan has components
+        out.extra_files = found[1].hf_config_files(plan, posixpath.dirname(cfg_rel), target)
+        out.sink_factory = functools.partial(ComponentSink, fmt=to, routes=components)
+        out.reopen = functools.partial(ComponentSource, names=[name for name, _ in components])
+    return out
+
+
 def convert_model(
     src: str,
     dst: str | None = None,
@@ -216,68 +285,87 @@ def convert_model(
     cancelled: Callable[[], bool] | None = None,
     job_id: str | None = None,
     staging: str | None = None,
+    parallelism: int = 1,
+    parts: Any = None,
 ) -> ConvertResult:
     """Convert a checkpoint between model layouts; ``dst`` is the output directory (default:
-    beside the input). Returns the engine's ConvertResult (outputs, manifest, warnings)."""
+    beside the input). Returns the engine's ConvertResult (outputs, manifest, warnings).
+
+    ``parallelism`` > 1 fans the conversion out (see :mod:`ckptconv.engine.fanout`; ``parts``
+    hands the parts to workers); not for composite models, whose output spans several formats'
+    directories."""
+    from ckptconv.engine.fanout import run_fanout
     from ckptconv.engine.run import run_plan
 
     source, _ = _open(src, model, src_fmt)
     try:
-        doc, cfg_uri = _config_for(source, config, src_fmt)
-        req = _request(
-            model,
-            src_fmt,
-            tgt_fmt,
-            {"drop_unmatched_keys": drop_unmatched_keys, "fold_lora": fold_lora, "fold_mup": fold_mup},
-        )
-        plan, conf = build_plan(source, doc, req)
-        _warn_unmapped_config_keys(plan, conf)
-        tgt_node = plan.extras["target_format"]
-        target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
-        components = plan.extras.get("components")
-        if tgt_node == "hf":
-            to = "safetensors" if export_safetensors else "torch"
-            # The Model Zoo always writes shard names and an index, even for one shard.
-            sink_options: dict[str, Any] = {"shard_size": hf_shard_size, "always_sharded": True}
-            config_bytes = dump_hf_json(conf.target)
-        else:
-            to = "cs-h5"
-            sink_options = {"cstorch_version": f"{upgrades.release_of(tgt_node)}.0"}
-            config_bytes = dump_cs_yaml(conf.target)
-            if export_safetensors:
-                plan.warnings.append("--export-safetensors applies to Hugging Face outputs only; ignored")
-        extras = {k: v for k, v in plan.extras.items() if k not in ("config_ignored_keys", "components")}
-        extra_files = {cfg_rel: config_bytes}
-        sink_factory: Callable[..., Any] | None = None
-        reopen: Callable[..., Any] | None = None
-        if components:  # several model directories in one output (DPR's encoders, LLaVA's parts)
-            from ckptconv.formats.components import ComponentSink, ComponentSource
-
-            found = planner_of(model)
-            assert found is not None  # only a composite model's plan has components
-            extra_files = found[1].hf_config_files(plan, posixpath.dirname(cfg_rel), target)
-            sink_factory = functools.partial(ComponentSink, fmt=to, routes=components)
-            reopen = functools.partial(ComponentSource, names=[name for name, _ in components])
-        result = run_plan(
-            plan,
+        out = model_output(
             source,
-            to=to,
-            target=target,
-            sink_options=sink_options,
-            extra_files=extra_files,
-            sink_factory=sink_factory,
-            reopen=reopen,
-            staging=staging,
-            progress=progress,
-            cancelled=cancelled,
-            job_id=job_id,
-            verify=verify,
-            extras={"model_conversion": extras},
+            dst,
+            model=model,
+            src_fmt=src_fmt,
+            tgt_fmt=tgt_fmt,
+            config=config,
+            drop_unmatched_keys=drop_unmatched_keys,
+            export_safetensors=export_safetensors,
+            hf_shard_size=hf_shard_size,
+            fold_lora=fold_lora,
+            fold_mup=fold_mup,
         )
-        for w in plan.warnings:
+        common: dict[str, Any] = {
+            "to": out.to,
+            "target": out.target,
+            "sink_options": out.sink_options,
+            "extra_files": out.extra_files,
+            "staging": staging,
+            "progress": progress,
+            "cancelled": cancelled,
+            "job_id": job_id,
+            "verify": verify,
+            "extras": out.extras,
+        }
+        if parallelism > 1:
+            if out.sink_factory is not None:
+                raise InvalidRequest(f"{model} writes several model directories: parallelism must be 1")
+            result = run_fanout(out.plan, source, parallelism=parallelism, runner=parts, **common)
+        else:
+            result = run_plan(out.plan, source, sink_factory=out.sink_factory, reopen=out.reopen, **common)
+        for w in out.plan.warnings:
             if w not in result.warnings:
                 result.warnings.append(w)
         return result
+    finally:
+        source.close()
+
+
+def convert_model_part(
+    src: str,
+    dst: str | None,
+    index: int,
+    *,
+    job_id: str | None = None,
+    staging: str | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    parts: Any = None,
+    **options: Any,
+) -> bool:
+    """Part ``index`` of a fanned-out :func:`convert_model` (``options`` as it takes them); False
+    when the part was recorded before."""
+    from ckptconv.engine.fanout import run_part
+
+    source, _ = _open(src, options["model"], options["src_fmt"])
+    try:
+        out = model_output(source, dst, **options)
+        return run_part(
+            out.plan,
+            source,
+            target=out.target,
+            index=index,
+            job_id=job_id,
+            staging=staging,
+            cancelled=cancelled,
+            runner=parts,
+        )
     finally:
         source.close()
 
