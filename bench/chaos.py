@@ -12,12 +12,18 @@ Starts everything on loopback, in a temporary directory: a moto S3 server, a pri
 2. **Submission storm**: ``--submissions`` jobs, each Idempotency-Key sent twice at once, plus, for
    one in ten, a second key naming the same target (exactly one of them must win). Jobs of the
    storm use small checkpoints; the ones still queued at the end are cancelled.
+3. **S3 faults** (``--s3-jobs`` conversions each): the workers reach S3 through
+   ``bench/faultproxy.py`` all along; in this phase it answers 500s, lost answers, resets mid-body,
+   short bodies and stalls, first at ``--s3-rate`` (5%: jobs must succeed through retries), then
+   at ``--exhaust-rate`` with a retry budget of ``--exhaust-attempts`` (jobs must fail with
+   ``storage_error`` and leave nothing behind).
 
-Then prints: jobs lost (accepted, later 404), stuck (not final at the end), duplicated (two jobs
-for one key or one target), overwritten (outputs whose bytes differ from their job's result),
-partial outputs visible (seen or left at a target without their manifest), staging and temp bytes
-left, untyped errors (failures without a typed code, or internal_error), and 5xx answers (with how
-many came while Redis was restarting). Never asserts; bounded in time; cleans up after itself.
+Then prints, for each phase: jobs lost (accepted, later 404), stuck (not final at the end),
+duplicated (two jobs for one key or one target), overwritten (outputs whose bytes differ from their
+job's result), partial outputs visible (seen while running or left at a target without their
+manifest), staging and temp bytes left, untyped errors (failures without a typed code, or
+internal_error), 5xx answers (with how many came while Redis was restarting), and S3 requests of
+the workers outside the key's prefixes. Never asserts; bounded in time; cleans up after itself.
 """
 
 from __future__ import annotations
@@ -36,14 +42,19 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
+from bench.faultproxy import FaultProxy
 from bench.ports import free_port, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TERMINAL = {"succeeded", "failed", "cancelled"}
 TYPED_FAILURES_EXCLUDED = {"internal_error", None, ""}
+# The chaos key reaches these prefixes of its bucket only; every phase works inside one of them.
+PHASE_PREFIXES = ("in/", "kill/", "storm/", "s3ok/", "s3exhaust/")
 
 
 class Stack:
@@ -66,8 +77,9 @@ class Stack:
         self.key = "ckc_chaos-" + uuid.uuid4().hex
         from ckptconv.core.auth import hash_key
 
+        prefixes = json.dumps([f"s3://{self.bucket}/{p}" for p in PHASE_PREFIXES])
         (tmp / "keys.yaml").write_text(
-            f'keys:\n  - name: chaos\n    sha256: {hash_key(self.key)}\n    prefixes: ["s3://{self.bucket}/"]\n'
+            f"keys:\n  - name: chaos\n    sha256: {hash_key(self.key)}\n    prefixes: {prefixes}\n"
         )
         self.prefix = f"chaos-{uuid.uuid4().hex[:8]}:"
         self.env = {
@@ -94,6 +106,18 @@ class Stack:
 
         self.s3 = boto3.client("s3", endpoint_url=self.endpoint)
         self.s3.create_bucket(Bucket=self.bucket)
+        # Workers reach S3 through the fault proxy (faults off until the S3 phase), which also
+        # sees every object and prefix they ask for.
+        self.proxy = FaultProxy(self.endpoint, stall_s=1.5, seed=11)
+        self.proxy.on_request = self._count_outside
+        self.proxy.start()
+        self.outside: list[str] = []
+        self.worker_env = {
+            "AWS_ENDPOINT_URL": self.proxy.url,
+            "CKPTCONV_S3_READ_TIMEOUT_S": "1",
+            "CKPTCONV_STORAGE_BACKOFF_S": "0.02",
+            "CKPTCONV_STORAGE_BACKOFF_MAX_S": "0.2",
+        }
         self.url = f"http://127.0.0.1:{self.api_port}"
         self.api = self._spawn(
             "api", ["serve", "--port", str(self.api_port), "--log-level", "warning", "--workers", "2"]
@@ -108,17 +132,37 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptconv", *args], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "ckptconv", *args],
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
 
-    def start_worker(self) -> subprocess.Popen:
-        proc = self._spawn("worker", ["worker", "--pool", "solo", "--loglevel", "info"])
+    def _count_outside(self, method: str, path: str, headers: dict[str, str]) -> None:
+        """Record a worker's S3 request for an object or a listing outside the key's prefixes."""
+        parts = urlsplit(path)
+        bucket, _, key = parts.path.lstrip("/").partition("/")
+        key = unquote(key)
+        if not key:
+            query = parse_qs(parts.query, keep_blank_values=True)
+            if "prefix" not in query and "list-type" not in query:
+                return  # a bucket-level call naming no object (a batch delete names them in its body)
+            key = query.get("prefix", [""])[0]
+        source = unquote(headers.get("x-amz-copy-source", "")).lstrip("/")
+        for bucket_key in [(bucket, key)] + ([tuple(source.split("?")[0].split("/", 1))] if source else []):
+            b, k = bucket_key
+            if b != self.bucket or not k.startswith(PHASE_PREFIXES):
+                self.outside.append(f"{method} {b}/{k}")
+
+    def start_worker(self, **env: str) -> subprocess.Popen:
+        proc = self._spawn("worker", ["worker", "--pool", "solo", "--loglevel", "info"], {**self.worker_env, **env})
         deadline = time.monotonic() + 120
         while b"ready." not in Path(proc.log_path).read_bytes():  # type: ignore[attr-defined]
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -137,7 +181,16 @@ class Stack:
         time.sleep(5)
         self.redis_down.clear()
 
+    def replace_workers(self, **env: str) -> None:
+        """Stop every worker and start as many with ``env`` (e.g. another retry budget)."""
+        for proc in self.workers:
+            proc.terminate()
+        for proc in self.workers:
+            proc.wait(timeout=60)
+        self.workers = [self.start_worker(**env) for _ in self.workers]
+
     def stop(self) -> None:
+        self.proxy.stop()
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -221,23 +274,35 @@ def worker_running(stack: Stack, job_id: str) -> subprocess.Popen | None:
 # --- the run ---------------------------------------------------------------------------------------
 
 
-def kill_rounds(stack: Stack, api: Api, rounds: int, tensors: int, report: dict[str, Any]) -> list[str]:
-    make_checkpoint(stack, "in/kill.safetensors", tensors, 1)
-    source = f"s3://{stack.bucket}/in/kill.safetensors"
-    jobs: list[str] = []
-    snapshots: list[dict[str, int]] = []
-    stop = threading.Event()
+class Watcher:
+    """Lists a prefix every 0.2 s while a phase runs, to catch anything partial that becomes visible."""
 
-    def watch() -> None:
-        while not stop.is_set():
+    def __init__(self, stack: Stack, prefix: str) -> None:
+        self.stack, self.prefix = stack, prefix
+        self.snapshots: list[dict[str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
             try:
-                snapshots.append(listing(stack, "kill/"))
+                self.snapshots.append(listing(self.stack, self.prefix))
             except Exception:  # the S3 server is busy: try again
                 pass
             time.sleep(0.2)
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    def stop(self) -> list[dict[str, int]]:
+        self._stop.set()
+        self._thread.join()
+        return self.snapshots
+
+
+def kill_rounds(stack: Stack, api: Api, rounds: int, tensors: int, report: dict[str, Any]) -> list[str]:
+    make_checkpoint(stack, "in/kill.safetensors", tensors, 1)
+    source = f"s3://{stack.bucket}/in/kill.safetensors"
+    jobs: list[str] = []
+    watcher = Watcher(stack, "kill/")
     kills = 0
     for rnd in range(rounds):
         r = submit(api, source, f"s3://{stack.bucket}/kill/{rnd}/model.mdl", f"kill-{rnd}")
@@ -267,14 +332,36 @@ def kill_rounds(stack: Stack, api: Api, rounds: int, tensors: int, report: dict[
             print("  restarting Redis (AOF)", flush=True)
             stack.restart_redis()
     wait_final(api, jobs, timeout=900)
-    stop.set()
-    watcher.join()
     report["kills"] = kills
-    report["partial_seen"] = partial_seen(stack, api, jobs, snapshots)
+    report["partial_seen"] = partial_seen(api, jobs, watcher.stop(), listing(stack, "kill/"))
     return jobs
 
 
-def partial_seen(stack: Stack, api: Api, jobs: list[str], snapshots: list[dict[str, int]]) -> int:
+def s3_faults(
+    stack: Stack, api: Api, prefix: str, n: int, tensors: int, rate: float, report: dict[str, Any]
+) -> list[str]:
+    """``n`` conversions while the proxy injects faults into every ``rate``-th S3 call of the workers."""
+    source_key = f"in/{prefix.rstrip('/')}.safetensors"
+    make_checkpoint(stack, source_key, tensors, 3)
+    before = stack.proxy.requests, sum(stack.proxy.counts.values())
+    watcher = Watcher(stack, prefix)
+    stack.proxy.rate = rate
+    jobs = []
+    try:
+        for i in range(n):
+            target = f"s3://{stack.bucket}/{prefix}{i}/model.mdl"
+            jobs.append(submit(api, f"s3://{stack.bucket}/{source_key}", target, f"{prefix}{i}").json()["id"])
+        wait_final(api, jobs, timeout=900)
+    finally:
+        stack.proxy.rate = 0.0
+    report["partial_seen"] = partial_seen(api, jobs, watcher.stop(), listing(stack, prefix))
+    report["s3_requests"] = stack.proxy.requests - before[0]
+    report["s3_faults"] = sum(stack.proxy.counts.values()) - before[1]
+    print(f"  {n} jobs, {report['s3_faults']} faults in {report['s3_requests']} S3 requests", flush=True)
+    return jobs
+
+
+def partial_seen(api: Api, jobs: list[str], snapshots: list[dict[str, int]], final_listing: dict[str, int]) -> int:
     """Objects seen at a target with a size other than their final one, or a manifest seen before its outputs."""
     bad = 0
     finals: dict[str, dict[str, int]] = {}
@@ -283,10 +370,9 @@ def partial_seen(stack: Stack, api: Api, jobs: list[str], snapshots: list[dict[s
         if job.get("state") == "succeeded":
             outs = {o["uri"].split("/", 3)[3]: o["size"] for o in job["result"]["outputs"]}
             finals[job["result"]["manifest"].split("/", 3)[3]] = outs
-    final_listing = listing(stack, "kill/")
     for snap in snapshots:
         for key, size in snap.items():
-            if key.endswith(".ckptconv-job.json"):
+            if key.endswith(".ckptconv-job.json") or ".ckptconv-staging" in key:
                 continue
             if key in final_listing and final_listing[key] != size:
                 bad += 1
@@ -337,7 +423,7 @@ def storm(stack: Stack, api: Api, n: int, report: dict[str, Any]) -> list[str]:
     for key, got in answers.items():
         if not key.endswith("-rival") and len({job_id for status, job_id, _ in got if status == 202}) > 1:
             duplicated += 1
-    report["storm_duplicated"] = duplicated
+    report["duplicated"] = duplicated  # audit() adds targets that two jobs both succeeded on
     report["storm_refused_rivals"] = sum(
         1 for key, got in answers.items() if key.endswith("-rival") and got[0][2] == "target_taken"
     )
@@ -358,9 +444,11 @@ def storm(stack: Stack, api: Api, n: int, report: dict[str, Any]) -> list[str]:
     return jobs
 
 
-def audit(stack: Stack, api: Api, jobs: list[str], report: dict[str, Any]) -> None:
-    lost = stuck = untyped = overwritten = 0
+def audit(stack: Stack, api: Api, jobs: list[str], prefix: str, report: dict[str, Any]) -> None:
+    """The promises, checked for the jobs of one phase and its prefix once they all ended."""
+    lost = stuck = untyped = overwritten = duplicated = 0
     states: dict[str, int] = {}
+    codes: dict[str, int] = {}
     targets_done: dict[str, str] = {}
     for job_id in jobs:
         job = job_of(api, job_id)
@@ -370,12 +458,15 @@ def audit(stack: Stack, api: Api, jobs: list[str], report: dict[str, Any]) -> No
         states[job["state"]] = states.get(job["state"], 0) + 1
         if job["state"] not in TERMINAL:
             stuck += 1
-        if job["state"] == "failed" and (job.get("error") or {}).get("code") in TYPED_FAILURES_EXCLUDED:
-            untyped += 1
+        if job["state"] == "failed":
+            code = (job.get("error") or {}).get("code")
+            codes[str(code)] = codes.get(str(code), 0) + 1
+            if code in TYPED_FAILURES_EXCLUDED:
+                untyped += 1
         if job["state"] == "succeeded":
             target = job["target"]["uri"]
             if target in targets_done:
-                report["duplicated_targets"] = report.get("duplicated_targets", 0) + 1
+                duplicated += 1
             targets_done[target] = job_id
             for o in job["result"]["outputs"]:
                 key = o["uri"].split("/", 3)[3]
@@ -392,29 +483,53 @@ def audit(stack: Stack, api: Api, jobs: list[str], report: dict[str, Any]) -> No
             if manifest.get("job_id") != job_id:
                 overwritten += 1
     # Targets with data but no manifest (a partial output left behind).
-    left_partial = 0
-    everything = listing(stack, "")
+    everything = listing(stack, prefix)
     by_target: dict[str, list[str]] = {}
     for key in everything:
-        parts = key.split("/")
-        if parts[0] in ("kill", "storm") and ".ckptconv-staging" not in key and not key.endswith(".ckptconv-job.json"):
-            by_target.setdefault("/".join(parts[:2]), []).append(key)
-    for keys in by_target.values():
-        if not any(k.endswith(("manifest.json", ".manifest.json")) for k in keys):
-            left_partial += 1
-    staging = sum(size for key, size in everything.items() if ".ckptconv-staging" in key)
-    scratch = sum(f.stat().st_size for f in (stack.tmp / "scratch").rglob("*") if f.is_file())
+        if ".ckptconv-staging" not in key and not key.endswith(".ckptconv-job.json"):
+            by_target.setdefault("/".join(key.split("/")[:2]), []).append(key)
+    left_partial = sum(
+        1 for keys in by_target.values() if not any(k.endswith(("manifest.json", ".manifest.json")) for k in keys)
+    )
+    uploads = stack.s3.list_multipart_uploads(Bucket=stack.bucket, Prefix=prefix).get("Uploads", [])
     report.update(
         jobs=len(jobs),
         states=states,
+        codes=codes,
         lost=lost,
         stuck=stuck,
         untyped=untyped,
         overwritten=overwritten,
+        duplicated=report.get("duplicated", 0) + duplicated,
         partial_left=left_partial,
-        staging_bytes=staging,
-        scratch_bytes=scratch,
+        staging_bytes=sum(size for key, size in everything.items() if ".ckptconv-staging" in key),
+        uploads_open=len(uploads),
+        scratch_bytes=sum(f.stat().st_size for f in (stack.tmp / "scratch").rglob("*") if f.is_file()),
     )
+
+
+ROWS = [
+    ("jobs", lambda r: f"{r['jobs']}"),
+    ("final states", lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["states"].items()))),
+    ("failure codes", lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["codes"].items())) or "-"),
+    ("jobs lost", lambda r: f"{r['lost']}"),
+    ("jobs stuck", lambda r: f"{r['stuck']}"),
+    ("jobs duplicated", lambda r: f"{r['duplicated']}"),
+    ("outputs overwritten", lambda r: f"{r['overwritten']}"),
+    ("partial outputs visible", lambda r: f"{r['partial_seen']} seen, {r['partial_left']} left"),
+    ("staging bytes left", lambda r: f"{r['staging_bytes']}"),
+    ("multipart uploads left open", lambda r: f"{r['uploads_open']}"),
+    ("temp (scratch) bytes left", lambda r: f"{r['scratch_bytes']}"),
+    ("untyped errors", lambda r: f"{r['untyped']}"),
+    (
+        "5xx answers",
+        lambda r: (
+            f"{r['fivexx']}"
+            + (f" (+{r['fivexx_restart']} during the Redis restart)" if r.get("fivexx_restart") else "")
+        ),
+    ),
+    ("S3 requests outside the prefixes", lambda r: f"{r['outside']}"),
+]
 
 
 def main() -> None:
@@ -423,50 +538,67 @@ def main() -> None:
     parser.add_argument("--submissions", type=int, default=2000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--tensors", type=int, default=120)
+    parser.add_argument("--s3-jobs", type=int, default=20, help="conversions in each S3 fault phase")
+    parser.add_argument("--s3-rate", type=float, default=0.05, help="fault rate the retries must absorb")
+    parser.add_argument("--exhaust-rate", type=float, default=0.5, help="fault rate that exhausts the budget")
+    parser.add_argument("--exhaust-attempts", type=int, default=2, help="the storage retry budget of that phase")
     args = parser.parse_args()
     random.seed(11)
     tmp = Path(tempfile.mkdtemp(prefix="ckptconv-chaos-"))
     stack = Stack(tmp, args.workers)
-    report: dict[str, Any] = {}
+    phases: dict[str, dict[str, Any]] = {}
     t0 = time.monotonic()
     try:
         api = Api(stack)
         print(
-            f"chaos: {args.rounds} kill rounds, Redis restart with AOF, {args.submissions} submissions x2", flush=True
+            f"chaos: {args.rounds} kill rounds, Redis restart with AOF, {args.submissions} submissions x2, "
+            f"S3 faults at {args.s3_rate:.0%} and at {args.exhaust_rate:.0%} "
+            f"(budget {args.exhaust_attempts}), {args.s3_jobs} jobs each",
+            flush=True,
         )
-        jobs = kill_rounds(stack, api, args.rounds, args.tensors, report)
-        jobs += storm(stack, api, args.submissions, report)
-        audit(stack, api, jobs, report)
-        report["fivexx"] = api.fivexx
-        report["fivexx_during_redis_restart"] = api.fivexx_during_restart
-        report["seconds"] = round(time.monotonic() - t0, 1)
+
+        def phase(name: str, prefix: str, run: Callable[[dict[str, Any]], list[str]]) -> None:
+            print(f"{name}:", flush=True)
+            report: dict[str, Any] = {"partial_seen": 0}
+            fivexx, restart, outside = api.fivexx, api.fivexx_during_restart, len(stack.outside)
+            jobs = run(report)
+            audit(stack, api, jobs, prefix, report)
+            report["fivexx"] = api.fivexx - fivexx
+            report["fivexx_restart"] = api.fivexx_during_restart - restart
+            report["outside"] = len(stack.outside) - outside
+            phases[name] = report
+
+        phase("kill rounds", "kill/", lambda r: kill_rounds(stack, api, args.rounds, args.tensors, r))
+        phase("storm", "storm/", lambda r: storm(stack, api, args.submissions, r))
+        phase(
+            "S3 faults", "s3ok/", lambda r: s3_faults(stack, api, "s3ok/", args.s3_jobs, args.tensors, args.s3_rate, r)
+        )
+        stack.replace_workers(CKPTCONV_STORAGE_ATTEMPTS=str(args.exhaust_attempts))
+        phase(
+            "S3 budget exhausted",
+            "s3exhaust/",
+            lambda r: s3_faults(stack, api, "s3exhaust/", args.s3_jobs, args.tensors, args.exhaust_rate, r),
+        )
+        seconds = round(time.monotonic() - t0, 1)
     finally:
         stack.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    duplicated = report.get("storm_duplicated", 0) + report.get("duplicated_targets", 0)
-    print(
-        "\n".join(
-            [
-                "",
-                f"jobs:                        {report['jobs']} ({report['kills']} workers killed)",
-                f"final states:                {report['states']}",
-                f"jobs lost:                   {report['lost']}",
-                f"jobs stuck:                  {report['stuck']}",
-                f"jobs duplicated:             {duplicated}",
-                f"outputs overwritten:         {report['overwritten']}",
-                f"partial outputs visible:     {report['partial_seen']} seen, {report['partial_left']} left",
-                f"staging bytes left:          {report['staging_bytes']}",
-                f"temp (scratch) bytes left:   {report['scratch_bytes']}",
-                f"untyped errors:              {report['untyped']}",
-                f"5xx answers:                 {report['fivexx']}",
-                f"  503 while Redis restarted: {report['fivexx_during_redis_restart']} (down, and 5 s after)",
-                f"storm: {report['storm_requests']} requests in {report['storm_seconds']} s; "
-                f"{report['storm_refused_rivals']} rival keys refused with target_taken; "
-                f"{report['storm_unexpected_answers']} unexpected answers",
-                f"run time: {report['seconds']} s",
-            ]
-        )
-    )
+    names = list(phases)
+    cells = [[label, *(cell(phases[n]) for n in names)] for label, cell in ROWS]
+    widths = [max(len(row[i]) for row in [["", *names], *cells]) for i in range(len(names) + 1)]
+    lines = [""] + ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [["", *names], *cells]]
+    kill, st = phases["kill rounds"], phases["storm"]
+    lines += [
+        "",
+        f"workers killed: {kill['kills']}",
+        f"storm: {st['storm_requests']} requests in {st['storm_seconds']} s; "
+        f"{st['storm_refused_rivals']} rival keys refused with target_taken; "
+        f"{st['storm_unexpected_answers']} unexpected answers",
+        f"S3 faults injected: {phases['S3 faults']['s3_faults']} of {phases['S3 faults']['s3_requests']} requests, "
+        f"then {phases['S3 budget exhausted']['s3_faults']} of {phases['S3 budget exhausted']['s3_requests']}",
+        f"run time: {seconds} s",
+    ]
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

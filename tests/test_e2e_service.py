@@ -302,7 +302,7 @@ def test_dry_run_and_inspect_through_a_worker(service: Service) -> None:
 def test_a_job_longer_than_the_visibility_timeout_is_delivered_once(
     redis_url: str, bucket: str, s3_server: str, tmp_path: Path
 ) -> None:
-    from faultproxy import FaultProxy
+    from bench.faultproxy import FaultProxy
 
     # Many small tensors, each one ranged S3 read, and every S3 request of the workers delayed by
     # 30 ms: the job outlasts the visibility timeout twice over however fast the machine is.

@@ -122,7 +122,7 @@ def _running_part(svc: Service, job_id: str, index: int) -> int:
 def test_a_part_worker_killed_mid_part_is_redone_and_the_job_commits(
     redis_url: str, bucket: str, s3_server: str, tmp_path: Path
 ) -> None:
-    from faultproxy import FaultProxy
+    from bench.faultproxy import FaultProxy
 
     _checkpoint(bucket, "team/kill-part/model.safetensors", 320, (64, 128))  # 10 MiB in 32 KiB tensors
     source = f"s3://{bucket}/team/kill-part/model.safetensors"
@@ -150,7 +150,7 @@ def test_a_part_worker_killed_mid_part_is_redone_and_the_job_commits(
 def test_cancel_mid_fan_out_leaves_nothing_and_no_upload(
     redis_url: str, bucket: str, s3_server: str, tmp_path: Path
 ) -> None:
-    from faultproxy import FaultProxy
+    from bench.faultproxy import FaultProxy
 
     _checkpoint(bucket, "team/cancel-fan/model.safetensors", 400, (64, 128))  # 12.5 MiB
     with FaultProxy(s3_server) as proxy:

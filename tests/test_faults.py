@@ -29,9 +29,9 @@ import httpx
 import pytest
 import redis
 import test_e2e_service as e2e
-from faultproxy import FaultProxy
 from test_e2e_service import Service, check_outputs, listing, make_checkpoint, wait_for
 
+from bench.faultproxy import FaultProxy
 from ckptconv.core.errors import TargetExists
 from ckptconv.engine.convert import convert
 from ckptconv.storage import open_storage

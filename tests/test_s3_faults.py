@@ -1,5 +1,5 @@
 """S3 faults: the real S3 server (moto) behind a loopback proxy that injects 500s, lost answers,
-connection resets mid-body, bodies without a length and stalled responses (tests/faultproxy.py).
+connection resets mid-body, bodies without a length and stalled responses (bench/faultproxy.py).
 
 Promises checked: every storage call retries per one policy; a broken ranged read asks only for
 the rest of its range; a job either succeeds or fails with ``storage_error`` (never an untyped
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from faultproxy import FaultProxy
 from safetensors.torch import save
 
+from bench.faultproxy import FaultProxy
 from ckptconv import jobs
 from ckptconv.core.errors import CkptconvError, StorageError
 from ckptconv.storage.s3 import S3Storage

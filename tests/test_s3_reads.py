@@ -1,5 +1,5 @@
 """Reading over S3 in few, parallel requests, within a memory budget (moto behind the recording
-proxy of tests/faultproxy.py; never a throughput measurement: see bench/s3_bench.py)."""
+proxy of bench/faultproxy.py; never a throughput measurement: see bench/s3_bench.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-from faultproxy import FaultProxy
 from safetensors.torch import save
 
+from bench.faultproxy import FaultProxy
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.engine.convert import convert, plan_conversion
 from ckptconv.formats.detect import open_source

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from faultproxy import FaultProxy
 from safetensors.torch import save
 
+from bench.faultproxy import FaultProxy
 from ckptconv.core.errors import VerificationFailed
 from ckptconv.engine.convert import convert
 from ckptconv.engine.plan import identity_plan
