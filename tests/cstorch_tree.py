@@ -28,6 +28,7 @@ import torch
 
 from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, TensorSource, dtype_name
 from ckptconv.formats.tree import TreeSpec, flatten, unflatten
+from ckptconv.testing.format_tests import write_all as write_all  # the one copy, re-exported for these tests
 
 # --- value trees ------------------------------------------------------------------------------
 
@@ -186,18 +187,6 @@ class NumpyArray:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-
-
-def write_all(sink: TensorSink, entries: list[Entry], spec: TreeSpec | None, values: dict[str, Any]) -> Any:
-    try:
-        sink.begin(entries, spec)
-        for e in entries:
-            if e.kind != "link":
-                sink.write(e.key, values[e.key])
-        return sink.commit()
-    except BaseException:
-        sink.abort()
-        raise
 
 
 def copy_checkpoint(source: TensorSource, sink: TensorSink) -> Any:

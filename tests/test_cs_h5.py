@@ -35,6 +35,7 @@ from cstorch_tree import (
     load_tree,
     write_all,
 )
+from s3_area import OnS3
 
 from ckptconv.core.errors import (
     CorruptCheckpoint,
@@ -46,12 +47,12 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
-from ckptconv.formats import sink_class, source_class
 from ckptconv.formats.base import Entry, OpaqueObject
 from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
 from ckptconv.formats.cs_h5_chunks import lz4_decode_into, lz4_encode, slab_chunk_shape
 from ckptconv.formats.tree import flatten
 from ckptconv.storage import open_storage
+from ckptconv.testing.format_tests import FormatTests
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cstorch"
 MDLS = sorted(FIXTURES.glob("*.mdl"))
@@ -83,11 +84,6 @@ def reload(path: Path):
 
 
 # --- reading real cstorch files -------------------------------------------------------------------
-
-
-def test_registry_names_our_classes():
-    assert source_class("cs-h5") is CsH5Source
-    assert sink_class("cs-h5") is CsH5Sink
 
 
 @pytest.mark.parametrize("mdl", MDLS, ids=lambda p: p.stem)
@@ -555,26 +551,17 @@ def test_castable_on_disk_types_load_like_cstorch(tmp_path):
 # --- refusals and attacks --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(make_h5_attacks.EXPECTED), ids=str)
-def test_attack_corpus(name, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # a payload that runs would leave its marker here
-    error, when = make_h5_attacks.EXPECTED[name]
-    path = ATTACKS / name
-    assert path.stat().st_size < 50_000
-    if error is None:
-        with source(path) as src:
-            values = [src.read(e.key) for e in src.entries()]
-        assert values
-    elif when == "open":
-        with pytest.raises(Exception) as info:
-            source(path).entries()
-        assert type(info.value).__name__ == error, info.value
-    else:
-        with source(path) as src, pytest.raises(Exception) as info:
-            for e in src.entries():
-                src.read(e.key)
-        assert type(info.value).__name__ == error, info.value
-    assert not (tmp_path / make_h5_attacks.MARKER).exists()
+class TestCsH5(FormatTests):
+    """The format contract (ckptconv.testing), the hostile corpus (tests/attacks/h5_*) included."""
+
+    format = "cs-h5"
+    mismatch_error = UnsupportedValue
+    attack_dir, attack_prefix, attack_expected = ATTACKS, "h5_", make_h5_attacks.EXPECTED
+    attack_marker = make_h5_attacks.MARKER
+
+
+class TestCsH5OnS3(OnS3, TestCsH5):
+    pass
 
 
 def test_incomplete_file_reads_only_when_allowed():

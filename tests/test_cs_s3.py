@@ -20,6 +20,7 @@ from cstorch_tree import (
     load_tree,
     write_all,
 )
+from s3_area import OnS3
 
 from ckptconv.core.errors import (
     CorruptCheckpoint,
@@ -27,12 +28,13 @@ from ckptconv.core.errors import (
     PathEscape,
     TargetExists,
     UnsafeCheckpoint,
+    UnsupportedValue,
 )
-from ckptconv.formats import sink_class, source_class
 from ckptconv.formats.base import OpaqueObject
 from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
 from ckptconv.formats.cs_s3 import CsS3Sink, CsS3Source
 from ckptconv.storage import open_storage
+from ckptconv.testing.format_tests import FormatTests
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cstorch"
 MDLS = sorted(FIXTURES.glob("*.mdl"))
@@ -51,8 +53,16 @@ def s3(uri: str) -> tuple:
     return open_storage(uri), uri
 
 
-def test_registry_names_our_classes():
-    assert source_class("cs-s3") is CsS3Source and sink_class("cs-s3") is CsS3Sink
+class TestCsS3(OnS3, FormatTests):
+    """The format contract (ckptconv.testing) under an S3 prefix."""
+
+    format = "cs-s3"
+    mismatch_error = UnsupportedValue
+
+
+class TestCsS3InADirectory(FormatTests):
+    format = "cs-s3"
+    mismatch_error = UnsupportedValue
 
 
 CASES = [(m, False) for m in MDLS] + [(FIXTURES / n, True) for n in ("model_optimizer.mdl", "zero_dim.mdl")]

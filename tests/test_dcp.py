@@ -19,6 +19,7 @@ from ckptconv.core.errors import CorruptCheckpoint, PathEscape, UnsafeCheckpoint
 from ckptconv.engine.convert import convert
 from ckptconv.engine.diff import diff_checkpoints
 from ckptconv.formats.detect import open_source
+from ckptconv.testing.format_tests import FormatTests
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -42,6 +43,12 @@ CHUNKS = {
     "model.proj.weight": grid((7, 5, 3), (2, 2, 1)),
     "model.proj.bias": grid((7,), (4,)),
 }
+
+
+class TestDcp(FormatTests):
+    """The format contract (ckptconv.testing): read only, so its registry entry against its class."""
+
+    format = "dcp"
 
 
 @pytest.fixture

@@ -17,16 +17,14 @@ import torch
 from cstorch_tree import assert_same_tree, copy_checkpoint, describe, entries_from_tree, load_tree, write_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from s3_area import OnS3
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ckptconv.core.errors import (
-    CkptconvError,
     CorruptCheckpoint,
     InvalidRequest,
     PathEscape,
-    SinkProtocolError,
-    UnsupportedDtype,
     UnsupportedValue,
 )
 from ckptconv.core.sizes import parse_size
@@ -42,6 +40,7 @@ from ckptconv.formats.sharding import (
 )
 from ckptconv.storage import open_storage
 from ckptconv.storage.s3 import S3Storage
+from ckptconv.testing.format_tests import FormatTests
 
 HERE = Path(__file__).resolve().parent
 ATTACKS = HERE / "attacks"
@@ -393,8 +392,7 @@ def test_cerebras_trees_survive_h5_safetensors_h5(tmp_path: Path, name: str) -> 
 
 def test_refusals_happen_before_any_data(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    cases = [
-        ([Entry("c", "tensor", "complex64", (2,))], UnsupportedDtype),
+    cases = [  # dtypes: FormatTests
         ([Entry("v", "value", value=b"raw bytes")], UnsupportedValue),
         ([Entry("o", "object")], UnsupportedValue),  # size unknown: the header cannot be computed
     ]
@@ -406,37 +404,6 @@ def test_refusals_happen_before_any_data(tmp_path: Path) -> None:
             sink.begin(entries, None)
         sink.abort()
         assert not out.exists() or not any(out.iterdir())
-
-
-def test_mismatched_value_and_order_are_refused(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    entries = [Entry("a", "tensor", "float32", (2,)), Entry("b", "tensor", "float32", (2,))]
-    sink = SafetensorsSink(local(), str(out))
-    sink.begin(entries, None)
-    with pytest.raises(SinkProtocolError):
-        sink.write("b", torch.zeros(2))
-    with pytest.raises(CorruptCheckpoint):
-        sink.write("a", torch.zeros(3))
-    sink.abort()
-    sink = SafetensorsSink(local(), str(out))
-    sink.begin(entries, None)
-    with pytest.raises(CorruptCheckpoint):
-        sink.write("a", torch.zeros(2, dtype=torch.int32))  # same size, other dtype
-    sink.abort()
-    assert not out.exists() or not any(out.iterdir())
-
-
-def test_abort_removes_finished_shards(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    state = flat_state(4, 16)
-    entries, _, values = entries_from_tree(state)
-    sink = SafetensorsSink(local(), str(out), shard_size=64)
-    sink.begin(entries, None)
-    for e in entries[:3]:
-        sink.write(e.key, values[e.key])
-    assert len(list(out.glob("*.safetensors"))) == 2  # finished shards are committed as they complete
-    sink.abort()
-    assert not any(out.iterdir())
 
 
 # --- S3 ---------------------------------------------------------------------------------------
@@ -486,29 +453,16 @@ def test_s3_reads_one_tensor_with_one_ranged_read(s3_bucket: str) -> None:
 ST_ATTACKS = sorted(k for k in make_tensor_attacks.EXPECTED if k.startswith("st_"))
 
 
-@pytest.mark.parametrize("name", ST_ATTACKS)
-def test_attack_corpus_is_refused(name: str) -> None:
-    error, when = make_tensor_attacks.EXPECTED[name]
-    uri = str(ATTACKS / name)
-    with pytest.raises(CkptconvError) as info:
-        src = SafetensorsSource(local(), uri)
-        assert when == "read"
-        for e in src.entries():
-            src.read(e.key)
-    assert type(info.value).__name__ == error
+class TestSafetensors(FormatTests):
+    """The format contract (ckptconv.testing), the hostile corpus (tests/attacks/st_*) included."""
+
+    format = "safetensors"
+    mismatch_error = CorruptCheckpoint
+    attack_dir, attack_prefix, attack_expected = ATTACKS, "st_", make_tensor_attacks.EXPECTED
 
 
-@pytest.mark.parametrize("name", ST_ATTACKS)
-def test_attack_as_conversion_source_leaves_nothing(tmp_path: Path, name: str) -> None:
-    from ckptconv.engine.convert import convert
-
-    error = make_tensor_attacks.EXPECTED[name][0]
-    target = tmp_path / "out"
-    with pytest.raises(CkptconvError) as info:
-        convert(str(ATTACKS / name), str(target), to="torch", source_format="safetensors")
-    assert type(info.value).__name__ == error
-    assert not target.exists()
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+class TestSafetensorsOnS3(OnS3, TestSafetensors):
+    pass
 
 
 def test_attack_generator_reproduces_the_corpus(tmp_path: Path) -> None:

@@ -22,13 +22,13 @@ from pathlib import Path
 import cramjam
 import pytest
 import torch
+from s3_area import OnS3
 
 from ckptconv.core.errors import (
     CorruptCheckpoint,
     InvalidRequest,
     KeyCollision,
     ObjectNotFound,
-    SinkProtocolError,
     TargetExists,
     UnsupportedDtype,
     UnsupportedFormat,
@@ -65,6 +65,7 @@ from ckptconv.formats.tf_table import (
 )
 from ckptconv.formats.tree import flatten
 from ckptconv.storage import open_storage
+from ckptconv.testing.format_tests import FormatTests
 
 ATTACKS = Path(__file__).resolve().parent / "attacks"
 sys.path.insert(0, str(ATTACKS))
@@ -367,21 +368,6 @@ def test_nothing_is_visible_before_commit_and_abort_leaves_nothing(tmp_path):
         TfSink(open_storage(prefix), prefix).begin(entries, None)
 
 
-def test_writes_must_follow_the_announced_order(tmp_path):
-    values = {"a": sample("float32", (2,)), "b": sample("float32", (2,), 1)}
-    entries = [tensor_entry(k, v) for k, v in values.items()]
-    sink = TfSink(open_storage(str(tmp_path)), str(tmp_path / "o"))
-    sink.begin(entries, None)
-    with pytest.raises(SinkProtocolError, match="expected 'a'"):
-        sink.write("b", values["b"])
-    sink.write("a", values["a"])
-    with pytest.raises(SinkProtocolError, match="after 1 of 2 writes"):
-        sink.commit()
-    with pytest.raises(UnsupportedValue, match="announced as float32"):
-        sink.write("b", values["b"].double())
-    sink.abort()
-
-
 def test_check_refuses_what_tensorflow_cannot_name_or_hold():
     with pytest.raises(UnsupportedValue):
         TfSink.check([Entry("", "tensor", "float32", (1,))])
@@ -498,23 +484,21 @@ def test_bad_headers_and_entries_are_refused(tmp_path):
 # --- TensorFlow as the oracle ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(make_tf_attacks.EXPECTED), ids=str)
-def test_attack_corpus(name: str) -> None:
-    """Hostile indexes: lengths, counts, ranks and block handles are checked against the file
-    before anything is allocated or decoded for them; every refusal is typed."""
-    error, when = make_tf_attacks.EXPECTED[name]
-    path = ATTACKS / name
-    assert sum(p.stat().st_size for p in path.iterdir()) < 50_000
-    if error is None:
-        src = TfSource(open_storage(str(path)), str(path))
-        assert [src.read(e.key).tolist() for e in src.entries()] == [[1.0, 2.0]]
-        return
-    with pytest.raises(Exception) as info:
-        src = TfSource(open_storage(str(path)), str(path))
-        assert when == "read", "refused at open"
-        for e in src.entries():
-            src.read(e.key)
-    assert type(info.value).__name__ == error, info.value
+class TestTf(FormatTests):
+    """The format contract (ckptconv.testing), the hostile corpus (tests/attacks/tf_*) included:
+    lengths, counts, ranks and block handles are checked against the file before anything is
+    allocated or decoded for them; every refusal is typed."""
+
+    format = "tf"
+    mismatch_error = UnsupportedValue
+    attack_dir, attack_prefix, attack_expected = ATTACKS, "tf_", make_tf_attacks.EXPECTED
+
+    def check_harmless_read(self, attack: str, values: dict) -> None:
+        assert [v.tolist() for v in values.values()] == [[1.0, 2.0]], attack
+
+
+class TestTfOnS3(OnS3, TestTf):
+    pass
 
 
 def test_index_blocks_are_each_decoded_once() -> None:

@@ -20,6 +20,7 @@ import torch
 from cstorch_tree import assert_same_tree, copy_checkpoint, describe, entries_from_tree, load_tree, write_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from s3_area import OnS3
 
 from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat, UnsupportedValue
@@ -29,6 +30,7 @@ from ckptconv.formats.torch_pickle import TorchSink, TorchSource
 from ckptconv.formats.tree import TreeSpec, flatten
 from ckptconv.storage import open_storage
 from ckptconv.storage.s3 import S3Storage
+from ckptconv.testing.format_tests import FormatTests
 
 HERE = Path(__file__).resolve().parent
 ATTACKS = HERE / "attacks"
@@ -340,24 +342,8 @@ def test_refusals(tmp_path: Path) -> None:
             None,
         )
     sink.abort()
-    sink = TorchSink(local(), str(out))
-    sink.begin([Entry("a", "tensor", "float32", (2,))], None)
-    with pytest.raises(CorruptCheckpoint):
-        sink.write("a", torch.zeros(2, dtype=torch.int32))
-    sink.abort()
     assert not out.exists() or not any(out.iterdir())
-
-
-def test_abort_removes_finished_shards(tmp_path: Path) -> None:
-    state = {f"w{i}": sample(torch.float32, (16,), i) for i in range(4)}
-    entries, _, values = entries_from_tree(state)
-    sink = TorchSink(local(), str(tmp_path / "out"), shard_size=64)
-    sink.begin(entries, None)
-    for e in entries[:3]:
-        sink.write(e.key, values[e.key])
-    assert len(list((tmp_path / "out").glob("*.bin"))) == 2
-    sink.abort()
-    assert not any((tmp_path / "out").iterdir())
+    # A value unlike its announcement: FormatTests.
 
 
 # --- S3 ---------------------------------------------------------------------------------------
@@ -407,19 +393,17 @@ def test_s3_lists_and_reads_without_downloading(s3_bucket: str, tmp_path: Path) 
 TORCH_ATTACKS = sorted(k for k in make_tensor_attacks.EXPECTED if k.startswith("torch_"))
 
 
-@pytest.mark.parametrize("name", TORCH_ATTACKS)
-def test_attack_corpus_is_refused_and_never_executed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    error, when = make_tensor_attacks.EXPECTED[name]
-    with pytest.raises(CkptconvError) as info:
-        src = TorchSource(local(), str(ATTACKS / name))
-        assert when == "read"
-        for e in src.entries():
-            src.read(e.key)
-    assert type(info.value).__name__ == error
-    assert not (tmp_path / make_tensor_attacks.MARKER).exists()
+class TestTorch(FormatTests):
+    """The format contract (ckptconv.testing), the hostile corpus (tests/attacks/torch_*) included."""
+
+    format = "torch"
+    mismatch_error = CorruptCheckpoint
+    attack_dir, attack_prefix, attack_expected = ATTACKS, "torch_", make_tensor_attacks.EXPECTED
+    attack_marker = make_tensor_attacks.MARKER
+
+
+class TestTorchOnS3(OnS3, TestTorch):
+    pass
 
 
 def _run_unsafely(code: str, cwd: Path) -> None:
@@ -464,20 +448,6 @@ def _as_torch_zip(pkl: bytes) -> bytes:
         z.writestr("archive/byteorder", "little")
         z.writestr("archive/version", "3\n")
     return buf.getvalue()
-
-
-@pytest.mark.parametrize("name", TORCH_ATTACKS)
-def test_attack_as_conversion_source_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    from ckptconv.engine.convert import convert
-
-    monkeypatch.chdir(tmp_path)
-    error = make_tensor_attacks.EXPECTED[name][0]
-    target = tmp_path / "out"
-    with pytest.raises(CkptconvError) as info:
-        convert(str(ATTACKS / name), str(target), to="safetensors", source_format="torch")
-    assert type(info.value).__name__ == error
-    assert not target.exists()
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
 def test_failure_mid_conversion_leaves_the_sink_empty(tmp_path: Path) -> None:

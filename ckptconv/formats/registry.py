@@ -36,6 +36,7 @@ class Capabilities:
     objects: bool = False  # opaque objects (bytes a source would not decode) are kept
     cannot_hold: frozenset[str] = frozenset()  # tensor dtypes the sink refuses before any data
     shard_size: bool = False  # the ``shard_size`` option splits the output into several files
+    keeps_order: bool = True  # a flat checkpoint's keys come back in written order (False: sorted)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ FORMATS: dict[str, FormatSpec] = {
             index_suffixes=(".index",),
             prefix_suffixes=(".index",),
             sharded=True,
-            capabilities=Capabilities(links=True, objects=True, shard_size=True),
+            # A bundle's index is sorted by key; the order is kept only with a nesting to record.
+            capabilities=Capabilities(links=True, objects=True, shard_size=True, keeps_order=False),
         ),
         FormatSpec(
             "dcp",
