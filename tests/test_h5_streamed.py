@@ -19,7 +19,7 @@ import torch
 from cstorch_tree import copy_checkpoint, entries_from_tree, write_all
 from safetensors.torch import save_file
 
-import ckptconv.formats.cs_h5 as cs_h5
+import ckptconv.formats.cs_h5_write as cs_h5_write
 import ckptconv.storage.part_upload as part_upload
 from ckptconv.core.errors import Cancelled
 from ckptconv.engine.convert import convert
@@ -48,7 +48,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 @pytest.fixture
 def small_parts(monkeypatch):
     # S3's smallest part, so that a checkpoint of a few tens of MiB spans many parts.
-    monkeypatch.setattr(cs_h5, "DEFAULT_PART_SIZE", 5 * MiB)
+    monkeypatch.setattr(cs_h5_write, "DEFAULT_PART_SIZE", 5 * MiB)
 
 
 def _uploads(bucket: str) -> list[dict]:

@@ -49,20 +49,22 @@ from ckptconv.formats.base import (
     TensorSource,
     dtype_name,
 )
+from ckptconv.formats.hf_record import (
+    RECORD_KEY,
+    build_record,
+    entries_from_record,
+    parse_record,
+    plain_value,
+)
 from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.sharding import (
-    RECORD_KEY,
     SAFETENSORS,
     LocalFiles,
     ShardedSink,
     Slot,
-    build_record,
-    entries_from_record,
     find_checkpoint,
     index_bytes,
-    parse_record,
-    plain_value,
     read_index,
     read_slot,
     resolve_link,

@@ -51,20 +51,22 @@ from ckptconv.formats.base import (
     dtype_name,
     torch_dtype,
 )
+from ckptconv.formats.hf_record import (
+    RECORD_KEY,
+    build_record,
+    entries_from_record,
+    parse_record,
+    plain_value,
+)
 from ckptconv.formats.pickle_allowlist import STORAGE_OF_DTYPE, StorageRef, TensorRef, TorchDtype
 from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.restricted_pickle import load_stream
 from ckptconv.formats.sharding import (
-    RECORD_KEY,
     TORCH,
     LocalFiles,
     ShardedSink,
-    build_record,
-    entries_from_record,
     find_checkpoint,
     index_bytes,
-    parse_record,
-    plain_value,
     read_index,
     resolve_link,
     tensor_view,
