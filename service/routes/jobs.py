@@ -33,7 +33,7 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.job_records import TERMINAL, job_resource, new_job_id, new_record, now_ms
 from ckptconv.jobs.kinds import get_kind
-from service.deps import AppState, Authorized, IdempotencyKey, fingerprint, idempotency_record_key
+from service.deps import AppState, IdempotencyKey, authorized, fingerprint, idempotency_record_key
 from service.idempotency import replay
 from service.schemas.common import problem_responses
 from service.schemas.jobs import JOB_EVENT, Job, JobList, JobRequest, JobState, KindName
@@ -68,7 +68,8 @@ async def _owned(state: AppState, caller: Principal, job_id: str) -> dict[str, s
         **problem_responses(401, 403, 409, 422, 503),
     },
 )
-async def create_job(body: JobRequest, call: Authorized, idempotency_key: IdempotencyKey = None) -> Response:
+async def create_job(body: JobRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
+    call = await authorized(request)
     state, caller = call.state, call.caller
     settings = state.settings
     kind = get_kind(body.kind)
@@ -135,7 +136,8 @@ async def create_job(body: JobRequest, call: Authorized, idempotency_key: Idempo
 
 
 @router.get("/jobs/{job_id}", response_model=Job, summary="Get a job", responses=problem_responses(401, 404, 503))
-async def get_job(job_id: JobId, call: Authorized) -> Response:
+async def get_job(job_id: JobId, request: Request) -> Response:
+    call = await authorized(request)
     rec = await _owned(call.state, call.caller, job_id)
     return Response(_json(job_resource(rec)), media_type="application/json")
 
@@ -147,13 +149,14 @@ async def get_job(job_id: JobId, call: Authorized) -> Response:
     responses=problem_responses(401, 422, 503),
 )
 async def list_jobs(
-    call: Authorized,
+    request: Request,
     job_state: Annotated[JobState | None, Query(alias="state")] = None,
     kind: KindName | None = None,
     label: Annotated[list[str], Query(max_length=8, description="k:v, repeatable (all must match)")] = [],  # noqa: B006
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Response:
+    call = await authorized(request)
     labels: dict[str, str] = {}
     for item in label:
         k, sep, v = item.partition(":")
@@ -194,7 +197,8 @@ def _decode_cursor(cursor: str) -> str:
     ),
     responses=problem_responses(401, 404, 409, 503),
 )
-async def cancel_job(job_id: JobId, call: Authorized) -> Response:
+async def cancel_job(job_id: JobId, request: Request) -> Response:
+    call = await authorized(request)
     state, caller = call.state, call.caller
     await _owned(state, caller, job_id)
     error = Cancelled("cancelled by request before the job ran").to_problem()
@@ -227,10 +231,10 @@ async def cancel_job(job_id: JobId, call: Authorized) -> Response:
 )
 async def job_events(
     job_id: JobId,
-    call: Authorized,
     request: Request,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
 ) -> StreamingResponse:
+    call = await authorized(request)
     state, caller = call.state, call.caller
     await _owned(state, caller, job_id)
     if state.open_streams >= state.settings.redis_blocking_connections:

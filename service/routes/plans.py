@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from ckptconv.jobs.kinds import get_kind
-from service.deps import Authorized, IdempotencyKey, fingerprint, idempotency_record_key
+from service.deps import IdempotencyKey, authorized, fingerprint, idempotency_record_key
 from service.idempotency import idempotent
 from service.schemas.common import FormatName, problem_responses
 from service.schemas.jobs import PlanRequest
@@ -32,9 +32,8 @@ WORKER_ERRORS = (401, 403, 404, 408, 409, 422, 500, 502, 503)
     ),
     responses=problem_responses(*WORKER_ERRORS),
 )
-async def create_plan(
-    body: PlanRequest, request: Request, call: Authorized, idempotency_key: IdempotencyKey = None
-) -> Response:
+async def create_plan(body: PlanRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
+    call = await authorized(request)
     state, caller = call.state, call.caller
     kind = get_kind(body.kind)
     source, target = scoped_refs(caller, body)
@@ -63,10 +62,11 @@ async def create_plan(
     responses=problem_responses(*WORKER_ERRORS),
 )
 async def inspect_checkpoint(
-    call: Authorized,
+    request: Request,
     uri: Annotated[str, Query(min_length=1, max_length=2048, description="s3://bucket/key or an absolute path")],
     format: Annotated[FormatName | None, Query(description="detected when omitted")] = None,
 ) -> Response:
+    call = await authorized(request)
     canonical = call.caller.check_uri(uri)
     view = await call_worker(
         call.state, "ckptconv.inspect", {"uri": canonical, "format": format, "scopes": call.caller.scopes.to_record()}
