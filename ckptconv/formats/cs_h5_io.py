@@ -93,7 +93,7 @@ class H5File:
         except CkptconvError:  # the storage's own error (missing, unreachable): not a damaged file
             self.close()
             raise
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError) as e:  # h5py opening a truncated or damaged file
             self.close()
             raise CorruptCheckpoint(
                 f"{uri} is not a readable HDF5 file (truncated or damaged?): {e}",

@@ -116,7 +116,7 @@ class Archive:
                 self.members = {info.filename: info for info in zf.infolist()}
         except CkptconvError:  # the storage's own error (missing, unreachable): not a damaged archive
             raise
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:  # zipfile on a damaged archive
             raise CorruptCheckpoint(f"{self.uri} is not a readable zip archive ({e})") from e
         names = list(self.members)
         if not names or "/" not in names[0]:

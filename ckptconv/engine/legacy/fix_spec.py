@@ -338,7 +338,7 @@ def fix_checkpoint_spec(path: str, output: str | None = None, *, inplace: bool =
     try:
         with h5py.File(src, "r") as f:
             plan = _plan(f, path)
-    except OSError as e:
+    except OSError as e:  # h5py: not an HDF5 file, or a damaged one
         raise CorruptCheckpoint(f"{path} is not a readable HDF5 file: {e}") from None
 
     tmp = os.path.join(os.path.dirname(final) or ".", f".{os.path.basename(final)}.fixing-{uuid.uuid4().hex[:8]}")
