@@ -29,6 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import CkptconvError, UnknownJobKind
 from ckptconv.core.sizes import parse_size
+from ckptconv.engine.layouts.registry import is_known_model, resolve
+from ckptconv.engine.layouts.upgrades import parse_model_format
 
 
 class StorageUriMarker:
@@ -220,8 +222,6 @@ class ConvertModelOptions(KindOptions):
     @field_validator("model")
     @classmethod
     def _model(cls, value: str) -> str:
-        from ckptconv.engine.layouts.registry import is_known_model  # torch-free: tables and key patterns only
-
         try:
             is_known_model(value)
         except CkptconvError as e:
@@ -231,8 +231,6 @@ class ConvertModelOptions(KindOptions):
     @field_validator("src_fmt", "tgt_fmt")
     @classmethod
     def _layout(cls, value: str, info: Any) -> str:
-        from ckptconv.engine.layouts.upgrades import parse_model_format  # torch-free: tables only
-
         try:
             parse_model_format(value, side="source" if info.field_name == "src_fmt" else "target")
         except CkptconvError as e:
@@ -251,8 +249,6 @@ ModelName = Annotated[str, Field(min_length=1, max_length=64, description="Model
 def _check_model(value: str | None) -> str | None:
     if value is None:
         return value
-    from ckptconv.engine.layouts.registry import resolve  # torch-free: tables and key patterns only
-
     try:
         resolve(value)
     except CkptconvError as e:
