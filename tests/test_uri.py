@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckptconv.core.errors import InvalidRequest, PathEscape
-from ckptconv.core.uri import basename, join, parent
+from ckptconv.core.uri import as_prefix, basename, join, parent
 
 
 @pytest.mark.parametrize(
@@ -84,3 +84,17 @@ def test_join(base: str, parts: tuple[str, ...], joined: str) -> None:
 def test_join_refuses_names_that_escape(part: str) -> None:
     with pytest.raises(PathEscape):
         join("s3://b/run", part)
+
+
+@pytest.mark.parametrize(
+    ("uri", "prefix"),
+    [
+        ("s3://b/run", "s3://b/run/"),
+        ("s3://b/run//", "s3://b/run/"),
+        ("/data/run/", "/data/run/"),
+        ("s3://b", "s3://b/"),
+    ],
+)
+def test_as_prefix(uri: str, prefix: str) -> None:
+    assert as_prefix(uri) == prefix
+    assert not "s3://b/run-2/x".startswith(as_prefix("s3://b/run"))

@@ -151,6 +151,12 @@ def parent(uri: str) -> str:
     return prefix + (head or "/")
 
 
+def as_prefix(uri: str) -> str:
+    """``uri`` as the prefix of what lies below it, with exactly one trailing slash:
+    ``s3://b/run`` and ``s3://b/run//`` -> ``s3://b/run/`` (so a listing does not match ``run-2``)."""
+    return uri.rstrip("/") + "/"
+
+
 def normalize_uri(uri: str) -> str:
     """Local paths become absolute (staging and publishing compute siblings from them)."""
     if uri.startswith("s3://"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.errors import ObjectNotFound, UnknownFormat, UnsupportedFormat
-from ckptconv.core.uri import basename, normalize_uri
+from ckptconv.core.uri import as_prefix, basename, normalize_uri
 from ckptconv.formats import FORMATS, source_class
 from ckptconv.formats.base import TensorSource
 from ckptconv.formats.signatures import HEAD_BYTES
@@ -60,7 +60,7 @@ def detect_source_format(storage: Storage, uri: str) -> str:
         if by_magic:
             return by_magic
         raise UnsupportedFormat(f"cannot tell the format of {uri}")
-    prefix = uri.rstrip("/") + "/"
+    prefix = as_prefix(uri)
     names = [info.uri[len(prefix) :] for info in storage.list(prefix)]
     if not names:
         # A checkpoint named by its prefix: a TF bundle's <prefix>.index beside <prefix>.data-*

@@ -37,7 +37,7 @@ import yaml
 
 from ckptconv.core.bounded import load_yaml
 from ckptconv.core.errors import InvalidRequest, StorageError
-from ckptconv.core.uri import basename, is_local, local_path_of
+from ckptconv.core.uri import as_prefix, basename, is_local, local_path_of
 from ckptconv.storage import Storage, open_storage
 
 DEFAULT_CHECKPOINT_NAME = "checkpoint_{step}.mdl"
@@ -345,7 +345,7 @@ class CheckpointIndex:
         """A missing index starts from the model directory's checkpoints (basename match)."""
         if self.exists():
             return
-        prefix = self.model_dir.rstrip("/") + "/"
+        prefix = as_prefix(self.model_dir)
         found = []
         for info in self.storage.list(prefix):
             rest = info.uri[len(prefix) :]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ckptconv.core.errors import InvalidRequest, SimulationError
+from ckptconv.core.uri import as_prefix
 from ckptconv.engine.cs_yaml import read_cs_yaml
 from ckptconv.engine.simulator import config as cfg
 from ckptconv.engine.simulator.checkpoint_io import open_checkpoint
@@ -150,7 +151,7 @@ def local_hf_dir(uri: str) -> Iterator[str]:
         yield local_path_of(uri)
         return
     storage = open_storage(uri)
-    prefix = uri.rstrip("/") + "/"
+    prefix = as_prefix(uri)
     with scratch.directory("hf") as tmp_dir:
         tmp = str(tmp_dir)
         copied = 0
