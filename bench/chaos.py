@@ -540,7 +540,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=120)
     parser.add_argument("--s3-jobs", type=int, default=20, help="conversions in each S3 fault phase")
     parser.add_argument("--s3-rate", type=float, default=0.05, help="fault rate the retries must absorb")
-    parser.add_argument("--exhaust-rate", type=float, default=0.5, help="fault rate that exhausts the budget")
+    parser.add_argument("--exhaust-rate", type=float, default=0.25, help="fault rate that exhausts the budget")
     parser.add_argument("--exhaust-attempts", type=int, default=2, help="the storage retry budget of that phase")
     args = parser.parse_args()
     random.seed(11)
