@@ -126,7 +126,7 @@ FORMATS: dict[str, FormatSpec] = {
             markers=("pytorch_model.bin.index.json",),
             sniff=torch_pickle,
             sharded=True,
-            capabilities=Capabilities(links=True, objects=True, shard_size=True),
+            capabilities=Capabilities(links=True, shard_size=True),  # objects only as decoded plain data
         ),
         FormatSpec(
             "tf",

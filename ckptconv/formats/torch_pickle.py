@@ -346,7 +346,7 @@ class TorchSink(ShardedSink):
 
     format = "torch"
     supports_links = True
-    supports_objects = True
+    supports_objects = False  # opaque bytes: weights_only loads none (decoded plain data is kept)
     supported_dtypes = None
     zip64_from = 0xFFFFFFFF  # records this large carry zip64 fields (tests lower it)
 

@@ -18,8 +18,9 @@ bit for bit, every dtype it cannot hold is refused before any data; the write or
 :class:`~ckptconv.core.errors.SinkProtocolError` for each breach) and values unlike their
 announcement; nothing readable before ``commit`` and nothing left after ``abort`` (finished shards
 included); the engine's ``target_exists`` sees a written checkpoint; nesting, plain values and tied
-weights survive; each hostile file is refused with its typed error (none of its payloads runs) also
-as a conversion's source, leaving nothing behind; and a checkpoint goes through the engine to every
+weights survive; opaque objects are kept, or refused before any data where the format cannot keep
+them; each hostile file is refused with its typed error (none of its payloads runs), also as a
+conversion's source, leaving nothing behind; and a checkpoint goes through the engine to every
 writable format and back unchanged.
 """
 
@@ -33,10 +34,16 @@ import pytest
 import torch
 
 from ckptconv.core.dtypes import DTYPE_SIZES
-from ckptconv.core.errors import CheckpointError, CkptconvError, SinkProtocolError, UnsupportedDtype
+from ckptconv.core.errors import (
+    CheckpointError,
+    CkptconvError,
+    SinkProtocolError,
+    UnsupportedDtype,
+    UnsupportedValue,
+)
 from ckptconv.engine.convert import convert
 from ckptconv.formats import FORMATS, FormatSpec, sink_class, source_class, target_exists
-from ckptconv.formats.base import Entry, OutputFile, TensorSink, TensorSource, dtype_name
+from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, TensorSink, TensorSource, dtype_name
 from ckptconv.formats.tree import TreeSpec, flatten
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
@@ -285,6 +292,22 @@ class FormatTests:
             assert got["model.tied"].kind == "link" and got["model.tied"].target == "model.w"
         else:  # written as a copy
             assert same_tensor(src.read("model.tied"), w)
+
+    def test_opaque_objects_are_kept_or_refused_before_any_data(self, base_uri: str) -> None:
+        self.writable()
+        blob = OpaqueObject(b"\x80\x04K\x01.", encoding="dill")  # a pickle of 1, never decoded
+        entries = [
+            Entry("w", "tensor", "float32", (2,)),
+            Entry("blob", "object", meta={"nbytes": 5, "encoding": "dill"}),
+        ]
+        values = {"w": sample("float32", (2,)), "blob": blob}
+        if not self.spec.capabilities.objects:
+            with pytest.raises(UnsupportedValue):
+                sink_class(self.format).check(entries)
+            return
+        write_all(self.sink(base_uri), entries, None, values)
+        got = self.source(base_uri).read("blob")
+        assert isinstance(got, OpaqueObject) and got.payload == blob.payload and got.encoding == "dill"
 
     # --- hostile input ------------------------------------------------------------------------
 
