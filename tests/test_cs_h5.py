@@ -596,6 +596,7 @@ def test_attributes_are_checked_before_they_are_read():
         "h5_reference_attr.mdl": "type class reference",
         "h5_nested_compound_attr.mdl": "type class compound",
         "h5_amplified_strings.mdl": "401 variable-length strings",
+        "h5_huge_attr.mdl": "attribute 'shapes' is unreadable",
     }
     for name, message in cases.items():
         with pytest.raises(CorruptCheckpoint, match=message):

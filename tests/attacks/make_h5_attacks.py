@@ -36,6 +36,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "h5_reference_attr.mdl": ("CorruptCheckpoint", "open"),
     "h5_nested_compound_attr.mdl": ("CorruptCheckpoint", "open"),
     "h5_amplified_strings.mdl": ("CorruptCheckpoint", "open"),
+    "h5_huge_attr.mdl": ("CorruptCheckpoint", "open"),
 }
 
 
@@ -163,6 +164,14 @@ def make(out: Path) -> list[Path]:
 
     p = fresh("h5_amplified_strings.mdl")
     _amplified_strings(p)
+
+    p = fresh("h5_huge_attr.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:
+        f["model.w"].attrs["shapes"] = np.full((1, 997), 7, dtype=np.int64)
+    data = p.read_bytes()
+    # The attribute's dataspace (its size and maximum size): 8 TiB of int64 in a 24 KB file.
+    p.write_bytes(data.replace(struct.pack("<Q", 997), struct.pack("<Q", 1 << 40)))
     return made
 
 
