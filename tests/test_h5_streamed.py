@@ -7,7 +7,9 @@ or cancelled conversion must leave no multipart upload behind.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import zipfile
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from cstorch_tree import copy_checkpoint, entries_from_tree, write_all
+from faultproxy import FaultProxy
 from safetensors.torch import save_file
 
 import ckptconv.formats.cs_h5_write as cs_h5_write
@@ -27,6 +30,7 @@ from ckptconv.formats import sink_class
 from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
 from ckptconv.formats.safetensors_fmt import SafetensorsSource
 from ckptconv.storage import open_storage
+from ckptconv.storage.digests import file_digests
 
 MiB = 1 << 20
 
@@ -91,6 +95,30 @@ def test_streamed_h5_is_the_local_layout_byte_for_byte(s3_bucket, tmp_path, smal
             assert np.array_equal(ds[()], want), k
     _assert_reads_back(uri, tensors)
     _assert_reads_back(str(local), tensors)
+
+
+def test_streamed_h5_gets_its_block_digest_without_being_read_back(s3_bucket, s3_server, tmp_path, small_parts):
+    st = tmp_path / "model.safetensors"
+    save_file(_tensors(), str(st))
+    uri = f"s3://{s3_bucket}/digest/model.mdl"
+    with FaultProxy(s3_server) as proxy:
+        gets: list[str] = []
+        proxy.on_request = lambda method, path, headers: gets.append(path) if method == "GET" else None
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AWS_ENDPOINT_URL", proxy.url)
+            result = convert(str(st), uri)
+    data = result.outputs[0]
+    assert data.uri == uri and data.sha256 is None
+    assert not [p for p in gets if "/digest/model.mdl" in p and "uploads" not in p]  # no read-back
+    stored = open_storage(uri).read_all(uri)
+    assert data.blocks == {"block_size": 5 * MiB, "sha256": file_digests(io.BytesIO(stored), 5 * MiB)[1]}
+    manifest = json.loads(open_storage(uri).read_all(result.manifest))
+    assert manifest["files"][0]["sha256_blocks"] == data.blocks and manifest["files"][0]["sha256"] is None
+
+    # verify: full reads it back once: the sha256 too, and the block digest checked against the bytes stored.
+    full = convert(str(st), f"s3://{s3_bucket}/digest-full/model.mdl", verify="full")
+    assert full.outputs[0].sha256 == hashlib.sha256(stored).hexdigest()
+    assert full.outputs[0].blocks == data.blocks
 
 
 def test_objects_and_values_land_in_the_metadata_parts(s3_bucket, tmp_path, small_parts):

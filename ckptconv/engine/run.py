@@ -7,7 +7,9 @@ The flow of one conversion (DESIGN.md):
    (``<parent>/.ckptconv-staging/<job id>/<attempt>/``: see ``ckptconv.core.fencing``), hashing
    every value on the way;
 3. commit the sink (into staging), reopen what it wrote and compare every entry (``verify_output``);
-   compute each file's sha256 meanwhile; write ``manifest.json`` into staging;
+   compute each file's sha256 meanwhile (unless the sink hashed it while writing; a file written
+   out of order gets the block digest of ``ckptconv.storage.digests`` instead, and only
+   ``verify: full`` reads it back); write ``manifest.json`` into staging;
 4. publish: move every file to the target (hard link locally, server-side copy on S3), create-only
    (``os.link`` / ``If-None-Match: *``), the manifest last, then delete the staging prefix.
 
@@ -64,6 +66,7 @@ from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
+from ckptconv.storage.digests import stored_digests
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ class ConvertResult:
             "target": self.target,
             "format": self.format,
             "job_id": self.job_id,
-            "outputs": [{"uri": o.uri, "size": o.size, "sha256": o.sha256, "role": o.role} for o in self.outputs],
+            "outputs": [_file_facts(o) for o in self.outputs],
             "manifest": self.manifest,
             "tensors": self.tensors,
             "bytes": self.bytes,
@@ -112,7 +115,10 @@ class ConvertResult:
         return cls(
             target=doc["target"]["uri"],
             format=doc["target"]["format"],
-            outputs=[OutputFile(f["uri"], f["size"], f.get("sha256"), f.get("role", "data")) for f in doc["files"]],
+            outputs=[
+                OutputFile(f["uri"], f["size"], f.get("sha256"), f.get("role", "data"), f.get("sha256_blocks"))
+                for f in doc["files"]
+            ],
             manifest=manifest_uri,
             job_id=doc.get("job_id"),
             warnings=doc.get("warnings", []),
@@ -314,7 +320,7 @@ def run_plan(
         t1 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptconv-sha256") as pool:
             # File checksums read the staged files while verification re-reads the tensors.
-            hashed = pool.submit(_fill_sha256, storage, outputs)
+            hashed = pool.submit(_fill_sha256, storage, outputs, reread=mode == "full")
             report = None
             if mode == "hashes":
                 reporter.stage("verifying", plan.tensors_total, plan.bytes_total)
@@ -386,6 +392,7 @@ def stage_manifest(
                 "size": o.size,
                 "sha256": o.sha256,
                 "role": o.role,
+                **({"sha256_blocks": o.blocks} if o.blocks else {}),
             }
             for o in outputs
         ],
@@ -436,11 +443,31 @@ def _manifest_uri(layout: _Layout, outputs: list[OutputFile]) -> str:
     return layout.manifest_candidates()[0 if inside else 1]
 
 
-def _fill_sha256(storage: Storage, outputs: list[OutputFile]) -> list[OutputFile]:
+def _file_facts(o: OutputFile) -> dict[str, Any]:
+    facts = {"uri": o.uri, "size": o.size, "sha256": o.sha256, "role": o.role}
+    return {**facts, "sha256_blocks": o.blocks} if o.blocks else facts
+
+
+def _fill_sha256(storage: Storage, outputs: list[OutputFile], *, reread: bool) -> list[OutputFile]:
+    """Every output's sha256, reading back the files whose sink did not hash them as written.
+
+    A file with a block digest (written out of order) is read back only when ``reread`` (``verify:
+    full``): then its sha256 is added and its block digest checked against the bytes stored.
+    """
     done = []
     for o in outputs:
-        if o.sha256 is None:
-            o = OutputFile(o.uri, o.size, storage.sha256(o.uri), o.role)
+        if o.sha256 is None and o.blocks is None:
+            o = dataclasses.replace(o, sha256=storage.sha256(o.uri))
+        elif o.sha256 is None and reread:
+            assert o.blocks is not None
+            sha256, blocks = stored_digests(storage, o.uri, o.blocks["block_size"])
+            if blocks != o.blocks["sha256"]:
+                raise VerificationFailed(
+                    f"{o.uri}: the stored bytes differ from those written (block digest {blocks},"
+                    f" {o.blocks['sha256']} as written)",
+                    uri=o.uri,
+                )
+            o = dataclasses.replace(o, sha256=sha256)
         done.append(o)
     return done
 
@@ -478,7 +505,10 @@ def _holds(storage: Storage, uri: str, entry: dict[str, Any]) -> bool:
             return False
     except ObjectNotFound:
         return False
-    return entry.get("sha256") is not None and storage.sha256(uri) == entry["sha256"]
+    if entry.get("sha256") is not None:
+        return storage.sha256(uri) == entry["sha256"]
+    blocks = entry.get("sha256_blocks")
+    return blocks is not None and stored_digests(storage, uri, blocks["block_size"])[1] == blocks["sha256"]
 
 
 def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:

@@ -114,6 +114,9 @@ class OutputFile:
     size: int
     sha256: str | None = None
     role: str = "data"  # data | index | config | manifest
+    # The block digest ({"block_size", "sha256"}: ckptconv.storage.digests) of a file written out of
+    # order, whose sha256 would need a second read.
+    blocks: dict[str, Any] | None = None
 
 
 class TensorSource(abc.ABC):

@@ -235,6 +235,7 @@ class CsH5Sink(CerebrasSink):
         self._close_file()  # stops the HDF5 thread
         size = os.path.getsize(self._tmp_path)
         if isinstance(self._placement, StreamedPlacement):
+            upload = self._placement.upload
             try:
                 self._placement.finish(self._tmp_path, size)
             except BaseException:
@@ -242,7 +243,8 @@ class CsH5Sink(CerebrasSink):
                 raise
             self._placement = None
             self._cleanup_tmp()
-            return [OutputFile(self.uri, size, None, "data")]
+            # Its parts were hashed as they went out: the block digest, no read-back.
+            return [OutputFile(self.uri, size, None, "data", blocks=upload.blocks.to_dict(size))]
         if self._placement is not None:
             self._placement.close()
             self._placement = None

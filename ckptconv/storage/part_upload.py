@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import StorageError
 from ckptconv.storage.base import ObjectInfo, Storage, Writer
+from ckptconv.storage.digests import BlockHasher
 
 if TYPE_CHECKING:
     from ckptconv.storage.s3 import S3Storage
@@ -67,6 +68,9 @@ class PartUpload:
         self._state = "open"
         # Given: this process fills some parts of an upload another one created and completes.
         self._upload_id: str | None = upload_id
+        # Every part is hashed as it is sent (the grid's parts are multiples of part_size), so the
+        # block digest of what this upload sent is known without reading it back (storage/digests.py).
+        self.blocks = BlockHasher(part_size)
 
     @property
     def upload_id(self) -> str:
@@ -165,6 +169,7 @@ class PartUpload:
         }
         if s.part_checksums:
             kwargs["ChecksumAlgorithm"] = "CRC32"
+        self.blocks.add(self.part_bounds(number)[0], body)
         # Re-sending a part replaces it: safe to retry whatever happened to the earlier try.
         r = s._call(self.uri, s.client.upload_part, **kwargs)
         part = {"PartNumber": number, "ETag": r["ETag"]}
@@ -247,6 +252,7 @@ class PartUpload:
         buf, filled = self._open.pop(1, (bytearray(), 0))
         if filled != size:
             raise StorageError(f"{self.uri}: {size} bytes announced, {filled} written")
+        self.blocks.add(0, memoryview(buf)[:size])
         with self._storage.open_writer(self.uri, overwrite=self._overwrite) as w:
             w.write(memoryview(buf)[:size])
         self._state = "completed"

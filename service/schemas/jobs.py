@@ -100,8 +100,17 @@ class OutputFile(BaseModel):
 
     uri: str
     size: int
-    sha256: str | None
+    sha256: str | None = Field(
+        description="sha256 of the file; null for a file written out of order (see sha256_blocks) unless"
+        " the job ran with verify: full"
+    )
     role: str | None = None
+    sha256_blocks: dict[str, Any] | None = Field(
+        default=None,
+        description="block digest of a file written out of order: {block_size, sha256}, the sha256 of the"
+        " lines '<sha256 of each block_size-byte block>\\n'; with coreutils:"
+        " split -b BLOCK_SIZE --filter=sha256sum FILE | cut -c1-64 | sha256sum",
+    )
 
 
 class JobResult(BaseModel):

@@ -1,0 +1,88 @@
+"""The block digest: a checksum of a whole object that a writer filling it out of order can compute.
+
+A plain sha256 needs the bytes in order. An object uploaded as positioned parts (an H5 file whose
+metadata is written last, at the front) gets them in another order, and its sha256 would cost a
+second full read. Its manifest records the **block digest** instead, computed as the parts go out:
+
+    the object is cut into blocks of ``block_size`` bytes (the last one shorter; an empty object
+    has no block); each block's sha256 is written as 64 lowercase hex digits and a newline; the
+    block digest is the sha256 (hex) of that text.
+
+With coreutils, for a block size of 16777216::
+
+    split -b 16777216 --filter=sha256sum model.mdl | cut -c1-64 | sha256sum
+
+prints it. The block size divides every part of the upload, so each part is hashed block by
+block on its own, in any order, on the thread that uploads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from typing import BinaryIO
+
+from ckptconv.storage.base import Storage
+
+DEFAULT_BLOCK_SIZE = 16 << 20
+
+
+def combine(block_sha256: list[str]) -> str:
+    """The block digest from the blocks' hex sha256s, in block order."""
+    return hashlib.sha256("".join(h + "\n" for h in block_sha256).encode()).hexdigest()
+
+
+class BlockHasher:
+    """Hashes an object's blocks as they arrive, in any order, from any thread."""
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self._blocks: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Hash ``data``, the bytes at ``offset``: whole blocks, and the object's last one (shorter)."""
+        if offset % self.block_size:
+            raise ValueError(f"offset {offset} is not on a {self.block_size}-byte block boundary")
+        view = memoryview(data).cast("B")
+        size = self.block_size
+        found = {
+            (offset + at) // size: hashlib.sha256(view[at : at + size]).hexdigest() for at in range(0, len(view), size)
+        }
+        with self._lock:
+            self._blocks.update(found)
+
+    def digest(self, size: int) -> str:
+        """The block digest of the ``size``-byte object; ValueError when a block was never hashed."""
+        count = math.ceil(size / self.block_size)
+        missing = [i for i in range(count) if i not in self._blocks]
+        if missing or len(self._blocks) != count:
+            raise ValueError(f"blocks {missing[:5]} of a {size}-byte object were never hashed")
+        return combine([self._blocks[i] for i in range(count)])
+
+    def to_dict(self, size: int) -> dict[str, int | str]:
+        """How a manifest records it: ``{"block_size", "sha256"}``."""
+        return {"block_size": self.block_size, "sha256": self.digest(size)}
+
+
+def stored_digests(storage: Storage, uri: str, block_size: int) -> tuple[str, str]:
+    """(sha256, block digest) of the object at ``uri``, read once (``verify: full``)."""
+    with storage.open_reader(uri) as f:
+        return file_digests(f, block_size)
+
+
+def file_digests(f: BinaryIO, block_size: int) -> tuple[str, str]:
+    """(sha256, block digest) of everything ``f`` reads, in one pass."""
+    whole = hashlib.sha256()
+    blocks: list[str] = []
+    buf = memoryview(bytearray(block_size))
+    while True:
+        n = 0
+        while n < block_size and (got := f.readinto(buf[n:])):  # a block whole, whatever the reads return
+            n += got
+        if n == 0:
+            break
+        whole.update(buf[:n])
+        blocks.append(hashlib.sha256(buf[:n]).hexdigest())
+    return whole.hexdigest(), combine(blocks)

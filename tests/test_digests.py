@@ -1,0 +1,54 @@
+"""The block digest: hashed out of order as parts go out, equal to what the documented command prints."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from ckptconv.storage.digests import BlockHasher, combine, file_digests
+
+BLOCK = 1 << 16
+
+
+@pytest.mark.parametrize("size", [0, 1, BLOCK, 5 * BLOCK, 5 * BLOCK + 123])
+def test_blocks_hashed_in_any_order_give_the_digest_of_one_read(size):
+    data = os.urandom(size)
+    hasher = BlockHasher(BLOCK)
+    # Parts of two blocks sent last-first, as concurrent uploads may finish.
+    for start in reversed(range(0, size, 2 * BLOCK)):
+        hasher.add(start, data[start : start + 2 * BLOCK])
+    whole, blocks = file_digests(io.BytesIO(data), BLOCK)
+    assert whole == hashlib.sha256(data).hexdigest()
+    assert hasher.digest(size) == blocks
+    expected = [hashlib.sha256(data[i : i + BLOCK]).hexdigest() for i in range(0, size, BLOCK)]
+    assert blocks == combine(expected)
+
+
+def test_a_block_never_hashed_is_an_error_not_a_digest():
+    hasher = BlockHasher(BLOCK)
+    hasher.add(0, b"x" * BLOCK)
+    hasher.add(2 * BLOCK, b"y" * 10)
+    with pytest.raises(ValueError, match="never hashed"):
+        hasher.digest(2 * BLOCK + 10)
+    with pytest.raises(ValueError, match="boundary"):
+        hasher.add(5, b"z")
+
+
+@pytest.mark.skipif(shutil.which("split") is None, reason="coreutils split is not installed")
+def test_the_documented_coreutils_command_prints_the_block_digest(tmp_path):
+    data = os.urandom(3 * BLOCK + 77)
+    path = tmp_path / "model.mdl"
+    path.write_bytes(data)
+    out = subprocess.run(
+        f"split -b {BLOCK} --filter=sha256sum {path} | cut -c1-64 | sha256sum",
+        shell=True,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()[0]
+    assert out == file_digests(io.BytesIO(data), BLOCK)[1]
