@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 from cstorch_tree import copy_checkpoint, entries_from_tree, write_all
-from faultproxy import FaultProxy
 from safetensors.torch import save_file
 
 import ckptconv.formats.cs_h5_write as cs_h5_write
 import ckptconv.storage.part_upload as part_upload
+from bench.faultproxy import FaultProxy
 from ckptconv.core.errors import Cancelled
 from ckptconv.engine.convert import convert
 from ckptconv.formats import sink_class

@@ -35,11 +35,12 @@ def test_only_full_verification_reads_the_entries_again(s3_server, s3_bucket, mo
             )
         assert result.verify["ok"] and result.verify["mode"] == mode
         assert result.verify["entries_checked"] == 5
-        assert all(o.sha256 for o in result.outputs)
+        # The streamed H5 upload is written out of order: a block digest as written, its sha256 only
+        # when full verification reads it back.
+        assert all(o.sha256 or (mode == "hashes" and o.blocks) for o in result.outputs)
         reads[mode] = [p for p in gets if p.split("?")[0].endswith(".mdl") and "/.ckptconv-staging/" in p]
-    # At most the file checksum's one sequential pass (writers that cannot hash in order, like the
-    # streamed H5 upload, leave it to a read), never the reopening and reading of every entry.
-    assert len(reads["hashes"]) <= 1 < len(reads["full"]), reads
+    # Nothing read back by default; the reopening and reading of every entry with verify: full.
+    assert len(reads["hashes"]) == 0 < len(reads["full"]), reads
 
 
 class _ZeroingSink:
