@@ -38,7 +38,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import xxhash
@@ -66,6 +66,7 @@ from ckptconv.engine.execute import (
     verify_output,
 )
 from ckptconv.engine.plan import Plan, Step
+from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.engine.run import (
     ConvertResult,
     _discard,
@@ -93,7 +94,7 @@ FANOUT_DIR = ".fanout"
 LOCAL_UNIT = 1 << 20  # local files are cut anywhere; parts end on a MiB boundary
 MIN_UNITS_PER_PART = 4  # S3: the part grid is made fine enough for this many units per part
 POLL_SECONDS = 0.2
-READ_BLOCK = 8 << 20
+READ_BLOCK = 64 << 20  # the commit's reads: one buffer, reused
 
 
 class PartRunner(Protocol):
@@ -237,18 +238,36 @@ def _read_doc(storage: Storage, uri: str) -> dict[str, Any] | None:
         return None
 
 
-def compute(step: Step, src: TensorSource, read_digests: dict[str, str]) -> Any:
-    """The value of one step, its inputs read (and their digests recorded) on the way."""
+def compute(step: Step, read: Callable[[str], Any]) -> Any:
+    """The value of one step from its inputs as ``read`` gives them."""
     if not step.inputs:
         return step.out.value
-    values = []
-    for k in step.inputs:
-        v = src.read(k)
-        read_digests[k] = value_digest(v)
-        values.append(v)
-    value = (step.transform or IDENTITY)(values)
+    value = (step.transform or IDENTITY)([read(k) for k in step.inputs])
     check_produced(step.out, value)
     return value
+
+
+def _reading(src: TensorSource, read_digests: dict[str, str]) -> Callable[[str], Any]:
+    """Reads one source value at a time, recording its digest."""
+
+    def read(key: str) -> Any:
+        value = src.read(key)
+        read_digests[key] = value_digest(value)
+        return value
+
+    return read
+
+
+def _part_inputs(files: list[FileLayout], ranges: list[list[int]], steps: dict[str, Step]) -> list[str]:
+    """The source keys a part reads, in the order it reads them (see run_part's loop)."""
+    keys: list[str] = []
+    last = None
+    for fi, start, end in ranges:
+        for _, _, span, _ in _pieces(files[fi], start, end):
+            if span is not None and span.source != last:
+                keys += steps[span.source].inputs
+                last = span.source
+    return keys
 
 
 # --- 1. prepare ------------------------------------------------------------------------------------
@@ -281,10 +300,10 @@ def _prepare(
                 continue
             if step.out.key in placed:
                 if step.out.nbytes == 0:  # no byte of any part holds it: checked here
-                    digests[step.out.key] = value_digest(compute(step, src, read_digests))
+                    digests[step.out.key] = value_digest(compute(step, _reading(src, read_digests)))
                 sink.reserve(step.out.key)
                 continue
-            value = compute(step, src, read_digests)
+            value = compute(step, _reading(src, read_digests))
             sink.write(step.out.key, value)
             digests[step.out.key] = value_digest(value)
             del value
@@ -381,6 +400,27 @@ def run_part(
     read_digests: dict[str, str] = {}
     recorded, tensors, written = [], 0, 0
     current: tuple[str, memoryview, Any] | None = None
+    # Values are read ahead (as the executor reads them) while the previous one is written.
+    keys = _part_inputs(files, doc["parts"][index], steps)
+    sizes = {e.key: e.nbytes for e in src.entries()}
+
+    def hashed_as_read(key: str, value: Any) -> None:
+        read_digests[key] = value_digest(value)
+
+    fetcher = Prefetcher(
+        src,
+        keys,
+        sizes,
+        max((sizes.get(k, 0) for k in keys), default=0),
+        workers=src.read_parallelism,
+        on_read=hashed_as_read,
+    )
+
+    def read(key: str) -> Any:
+        value = fetcher.get(key)
+        fetcher.release(key)  # held by the step being computed only
+        return value
+
     try:
         for fi, start, end in doc["parts"][index]:
             f = files[fi]
@@ -396,7 +436,7 @@ def run_part(
                         if cancelled is not None and cancelled():
                             raise Cancelled("cancelled by request; nothing was published")
                         current = None  # drop the previous value before reading the next
-                        value = compute(steps[span.source], src, read_digests)
+                        value = compute(steps[span.source], read)
                         digests[span.source] = value_digest(value)
                         current = (span.source, value_bytes(value), value)
                         tensors += 1
@@ -419,6 +459,8 @@ def run_part(
             if isinstance(w, LocalPatch):
                 w.close(sync=False)
         raise
+    finally:
+        fetcher.stop()
     mismatches = check_written(_sub_plan(plan, digests), digests, read_digests).mismatches
     if mismatches:
         raise VerificationFailed(f"part {index}: " + "; ".join(mismatches[:5]), mismatches=mismatches[:50])
@@ -678,11 +720,13 @@ def _hash_file(storage: Storage, uri: str, ranges: list[tuple[int, int]]) -> tup
     """One read of the file: its sha256 and the xxh3 of each of ``ranges`` (which tile it in order)."""
     sha = hashlib.sha256()
     out = {}
+    buf = memoryview(bytearray(min(READ_BLOCK, max((e - s for s, e in ranges), default=0))))
     for s, e in ranges:
         h = xxhash.xxh3_128()
         pos = s
         while pos < e:
-            block = storage.read_range(uri, pos, min(READ_BLOCK, e - pos))
+            block = buf[: min(len(buf), e - pos)]
+            storage.read_into(uri, pos, block)  # one block in several ranged GETs at once on S3
             sha.update(block)
             h.update(block)
             pos += len(block)
