@@ -20,8 +20,8 @@ from ckptconv.formats import target_exists
 from ckptconv.storage import open_storage
 
 # The storage clients block, so the check runs in a thread. A thread of a check that timed out is
-# left to finish and holds its slot until then: the pool is large enough that a stalled object store
-# answers 503s (each after the timeout) without leaving other requests queued behind the stalled ones.
+# left to finish and holds its slot until then; a check that finds every thread busy waits for one
+# within its own timeout, so a stalled object store answers 503s, each after the timeout at most.
 # asyncio's executor hop costs less than half of anyio.to_thread's (about 20 us of CPU against 50).
 _CHECKS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="ckptconv-target-check")
 
