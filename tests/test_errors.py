@@ -31,6 +31,7 @@ BUILTIN_BASE: dict[str, type[Exception] | None] = {
     "CheckpointError": ValueError,
     "UnsupportedFormat": ValueError,
     "CorruptCheckpoint": ValueError,
+    "LinkCycle": ValueError,
     "IncompleteCheckpoint": ValueError,
     "UnsafeCheckpoint": ValueError,
     "UnsupportedDtype": ValueError,

@@ -302,6 +302,14 @@ class CorruptCheckpoint(CheckpointError):
     default_hint = "the file is damaged or truncated; copy it again from its origin"
 
 
+class LinkCycle(CorruptCheckpoint):
+    """Tied-weight links that lead back to themselves: no entry along the chain holds a value."""
+
+    code = "link_cycle"
+    title = "Tied-weight links form a cycle"
+    default_hint = "the checkpoint's links (tied weights) lead back to themselves; re-export it from its origin"
+
+
 class IncompleteCheckpoint(CheckpointError):
     code = "incomplete_checkpoint"
     title = "Partially written checkpoint"

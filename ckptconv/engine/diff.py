@@ -19,6 +19,7 @@ from ckptconv.core.errors import InvalidRequest
 from ckptconv.engine.execute import ProgressFn, ProgressReporter, value_digest
 from ckptconv.formats.base import Entry, TensorSource
 from ckptconv.formats.detect import open_source
+from ckptconv.formats.links import link_root
 
 __all__ = ["DiffResult", "KeyDiff", "diff_checkpoints"]
 
@@ -92,10 +93,10 @@ def _diff(
     ea = {e.key: e for e in src_a.entries()}
     eb = {e.key: e for e in src_b.entries()}
     shared = [k for k in ea if k in eb]
-    reporter.stage("comparing", len(shared), sum(_resolve(ea, ea[k]).nbytes for k in shared))
+    reporter.stage("comparing", len(shared), sum(_resolve(ea, k).nbytes for k in shared))
     diffs = []
     for key in shared:
-        x, y = _resolve(ea, ea[key]), _resolve(eb, eb[key])
+        x, y = _resolve(ea, key), _resolve(eb, key)
         d = _compare_entries(key, src_a, x, src_b, y, op, rtol, atol)
         if d is not None:
             diffs.append(d)
@@ -112,13 +113,10 @@ def _diff(
     )
 
 
-def _resolve(entries: dict[str, Entry], e: Entry) -> Entry:
-    """The entry a link points to (following chains), or ``e`` itself."""
-    seen = {e.key}
-    while e.kind == "link" and e.target in entries and e.target not in seen:
-        e = entries[e.target]
-        seen.add(e.key)
-    return e
+def _resolve(entries: dict[str, Entry], key: str) -> Entry:
+    """The entry holding the value of ``key`` (links followed), or the link itself when it leads to
+    a key this checkpoint does not hold; LinkCycle on a cycle."""
+    return entries.get(link_root(key, entries), entries[key])
 
 
 def _describe(e: Entry) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from ckptconv.core.errors import Cancelled, CkptconvError, VerificationFailed
 from ckptconv.engine.plan import IDENTITY, Plan
 from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, TensorSource
+from ckptconv.formats.links import link_root
 
 
 @dataclass
@@ -371,7 +372,7 @@ def verify_output(
             expected = digests.get(want.target or "")
         else:
             expected = digests.get(key)
-        ref = _resolved(want, written)
+        ref = written.get(link_root(key, written), want)
         if have.kind in ("tensor", "array") and (
             have.dtype != ref.dtype or tuple(have.shape or ()) != tuple(ref.shape or ())
         ):
@@ -394,14 +395,6 @@ def verify_output(
             reporter.advance(1, size)
     reporter.finish()
     return VerifyReport(not mismatches, checked, nbytes, mismatches)
-
-
-def _resolved(entry: Entry, written: dict[str, Entry]) -> Entry:
-    seen = 0
-    while entry.kind == "link" and entry.target in written and seen < 64:
-        entry = written[entry.target]
-        seen += 1
-    return entry
 
 
 def describe_error(err: BaseException) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from ckptconv.formats.cs_serializers import (
     tensor_metadata,
     value_metadata,
 )
+from ckptconv.formats.links import link_root
 from ckptconv.formats.tree import TreeSpec, flat_dict_spec
 
 LEGACY_RELEASES = {0.1: "1.7", 0.2: "1.8", 0.3: "1.9", 0.4: "2.0"}
@@ -90,14 +91,14 @@ def cast_array(arr: np.ndarray, dtype: str) -> Any:
 
 
 def follow_link(by_key: dict[str, Entry], entry: Entry) -> Entry:
-    """The entry a link (or chain of links) stands for; CorruptCheckpoint on cycles or dangling links."""
-    seen: set[str] = set()
-    while entry.kind == "link":
-        if entry.key in seen or entry.target not in by_key:
-            raise CorruptCheckpoint(f"{entry.key!r}: its link leads nowhere (a cycle or a missing key)")
-        seen.add(entry.key)
-        entry = by_key[entry.target]  # type: ignore[index]
-    return entry
+    """The entry a link (or chain of links) stands for; LinkCycle on a cycle, CorruptCheckpoint when
+    the chain leads to a missing key."""
+    if entry.kind != "link":
+        return entry
+    root = by_key.get(link_root(entry.target or "", by_key))
+    if root is None:
+        raise CorruptCheckpoint(f"{entry.key!r}: its link leads nowhere (a missing key)")
+    return root
 
 
 def needs_payload(e: Entry) -> bool:

@@ -53,6 +53,7 @@ from ckptconv.formats.cs_serializers import (
     parse_key_record,
     parse_root_spec,
 )
+from ckptconv.formats.links import refuse_link_cycles
 from ckptconv.formats.tree import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class CsH5Source(TensorSource):
         for e in entries:
             if e.kind == "link" and e.target not in known:
                 raise CorruptCheckpoint(f"{e.key!r} links to {e.target!r}, which is not in the checkpoint")
+        refuse_link_cycles(entries)
         return entries
 
     def _entry(self, leaf: Leaf) -> Entry:

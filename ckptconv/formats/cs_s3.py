@@ -51,6 +51,7 @@ from ckptconv.formats.cs_serializers import (
     root_spec_text,
     stored_numpy_dtype,
 )
+from ckptconv.formats.links import refuse_link_cycles
 from ckptconv.formats.memory import empty_tensor
 from ckptconv.formats.tree import TreeSpec
 
@@ -132,6 +133,7 @@ class CsS3Source(TensorSource):
         for e in self._entries:
             if e.kind == "link" and e.target not in self._by_key:
                 raise CorruptCheckpoint(f"{e.key!r} links to {e.target!r}, which is not in the checkpoint")
+        refuse_link_cycles(self._entries)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cs-s3") if threads > 1 else None
 
     def _entry(self, leaf: Any) -> Entry:

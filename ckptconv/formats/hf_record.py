@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import CorruptCheckpoint, UnsupportedFormat
 from ckptconv.formats.base import Entry
-from ckptconv.formats.sharding import resolve_link
+from ckptconv.formats.links import link_root
 from ckptconv.formats.tree import TreeSpec
 
 if TYPE_CHECKING:
@@ -120,14 +120,15 @@ def entries_from_record(
 
 
 def with_link_shapes(entries: list[Entry], where: str) -> list[Entry]:
-    """Links carry the dtype and shape of what they finally alias; cycles are refused."""
+    """Links carry the dtype and shape of what they finally alias; cycles (LinkCycle) and links to
+    nothing are refused."""
     by_key = {e.key: e for e in entries}
     out = []
     for e in entries:
         if e.kind == "link":
-            root = resolve_link(e.key, by_key)
-            if root is None:
-                raise CorruptCheckpoint(f"{where}: link {e.key!r} points nowhere or is part of a cycle")
+            root = link_root(e.key, by_key)
+            if root not in by_key:
+                raise CorruptCheckpoint(f"{where}: link {e.key!r} points nowhere")
             r = by_key[root]
             e = Entry(e.key, "link", r.dtype, r.shape, target=e.target, meta=dict(r.meta))
         out.append(e)

@@ -57,6 +57,7 @@ from ckptconv.formats.hf_record import (
     plain_value,
 )
 from ckptconv.formats.layout import FileLayout, Span
+from ckptconv.formats.links import link_root
 from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.sharding import (
     SAFETENSORS,
@@ -67,7 +68,6 @@ from ckptconv.formats.sharding import (
     index_bytes,
     read_index,
     read_slot,
-    resolve_link,
     tensor_view,
 )
 from ckptconv.formats.signatures import JSON_WHITESPACE, SAFETENSORS_MAX_HEADER
@@ -373,7 +373,8 @@ class SafetensorsSink(ShardedSink):
             regions: list[_Region] = []
             tensors = []
             for key in f.keys:
-                root = resolve_link(key, by_key) or key
+                root = link_root(key, by_key)
+                root = root if root in by_key else key
                 e = by_key[root]
                 dtype, shape = (e.dtype, e.shape) if e.kind != "object" else ("uint8", (e.nbytes,))
                 region = _Region(key, root, e.nbytes)

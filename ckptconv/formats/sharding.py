@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,6 +30,7 @@ from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFou
 from ckptconv.core.sizes import parse_size
 from ckptconv.core.uri import parent
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
+from ckptconv.formats.links import link_root
 from ckptconv.storage.part_upload import open_output_writer
 
 if TYPE_CHECKING:
@@ -112,23 +113,10 @@ def tie_groups(entries: Iterable[Entry]) -> list[list[Entry]]:
     for e in entries:
         if e.kind != "link":
             continue
-        root = resolve_link(e.key, by_key)
-        if root is not None and root in groups:
+        root = link_root(e.key, by_key)
+        if root in groups:
             groups[root].append(e)
     return order
-
-
-def resolve_link(key: str, by_key: Mapping[str, Entry]) -> str | None:
-    """The key a link finally aliases (following chains), or None when it points nowhere."""
-    seen = {key}
-    e = by_key.get(key)
-    while e is not None and e.kind == "link":
-        if e.target is None or e.target in seen:
-            return None
-        seen.add(e.target)
-        key = e.target
-        e = by_key.get(key)
-    return key if e is not None else None
 
 
 def plan_shards(

@@ -39,6 +39,7 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
 )
 from ckptconv.formats.base import Entry, OpaqueObject, TensorSource
+from ckptconv.formats.links import link_root, refuse_link_cycles
 from ckptconv.formats.memory import empty_tensor
 from ckptconv.formats.restricted_pickle import try_loads
 from ckptconv.formats.tf_bundle_codec import (
@@ -125,6 +126,7 @@ class TfSource(TensorSource):
         self._meta: dict[str, Any] | None = self._read_metadata()
         self._entries = self._build_entries()
         self._by_key = {e.key: e for e in self._entries}
+        refuse_link_cycles(self._entries)
 
     # -- metadata ----------------------------------------------------------------------------
 
@@ -279,13 +281,10 @@ class TfSource(TensorSource):
         if entry.kind == "value":
             return entry.value
         if entry.kind == "link":
-            seen = {key}
-            while entry.kind == "link":
-                if entry.target in seen or entry.target not in self._by_key:
-                    raise CorruptCheckpoint(f"link {key!r} does not resolve to an entry")
-                seen.add(entry.target)
-                entry = self._by_key[entry.target]
-            return self.read(entry.key)
+            root = link_root(key, self._by_key)
+            if root not in self._by_key:
+                raise CorruptCheckpoint(f"link {key!r} does not resolve to an entry")
+            return self.read(root)
         stored = self._stored[key]
         if stored.slices and stored.dtype not in TF_TO_DTYPE:
             raise UnsupportedDtype(

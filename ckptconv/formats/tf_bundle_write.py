@@ -31,6 +31,7 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, TensorSink
+from ckptconv.formats.links import link_root
 from ckptconv.formats.sharding import split_by_size
 from ckptconv.formats.tf_bundle_codec import (
     BUNDLE_VERSION,
@@ -131,7 +132,7 @@ class TfSink(TensorSink):
         self._items: list[_Item] = []
         self._by_key: dict[str, _Item] = {}
         self._links: list[Entry] = []
-        self._link_map: dict[str, Entry] = {}
+        self._link_roots: dict[str, str] = {}  # link key -> the key holding its value
         self._announced: list[Entry] = []
         self._spec: TreeSpec | None = None
         self._num_shards = 1
@@ -166,24 +167,15 @@ class TfSink(TensorSink):
                 item.estimate = 16
             self._items.append(item)
             self._by_key[e.key] = item
-        self._link_map = {e.key: e for e in self._links}
+        announced = {e.key: e for e in entries}
         for link in self._links:
-            if self._resolve(link.key) is None:
+            root = link_root(link.key, announced)
+            if root not in self._by_key:
                 raise UnsupportedValue(
                     f"link {link.key!r} points at {link.target!r}, which is not an entry", key=link.key
                 )
+            self._link_roots[link.key] = root
         self._assign_shards([i for i in self._items if i.has_data])
-
-    def _resolve(self, key: str) -> str | None:
-        """The non-link entry a link finally aliases; None when it points nowhere or in a cycle."""
-        links = self._link_map
-        seen = {key}
-        while key in links:
-            key = links[key].target or ""
-            if key in seen:
-                return None
-            seen.add(key)
-        return key if key in self._by_key else None
 
     def _assign_shards(self, stored: list[_Item]) -> None:
         num = self.options.get("num_shards")
@@ -325,7 +317,7 @@ class TfSink(TensorSink):
         self._close_shards()
         index_items = {i.entry.key.encode(): i.stored.encode() for i in stored}  # type: ignore[union-attr]
         for link in self._links:
-            target = self._by_key[self._resolve(link.key)]  # type: ignore[index]
+            target = self._by_key[self._link_roots[link.key]]
             if target.stored is not None:  # a link to a None value lives in the metadata only
                 index_items[link.key.encode()] = target.stored.encode()
         header = BundleHeader(self._num_shards, LITTLE, VersionDef(BUNDLE_VERSION, 0))

@@ -58,6 +58,7 @@ from ckptconv.formats.hf_record import (
     parse_record,
     plain_value,
 )
+from ckptconv.formats.links import link_root
 from ckptconv.formats.pickle_allowlist import STORAGE_OF_DTYPE, StorageRef, TensorRef, TorchDtype
 from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.restricted_pickle import load_stream
@@ -68,7 +69,6 @@ from ckptconv.formats.sharding import (
     find_checkpoint,
     index_bytes,
     read_index,
-    resolve_link,
     tensor_view,
 )
 from ckptconv.formats.torch_archive import Archive, check_tree, describe_pickle, read_ref
@@ -408,8 +408,8 @@ class TorchSink(ShardedSink):
                 leaves[e.key] = None
         for e in entries:  # a link holds the very object its root holds: torch.load restores the tie
             if e.kind == "link":
-                root = resolve_link(e.key, by_key)
-                if root is None or root not in leaves:
+                root = link_root(e.key, by_key)
+                if root not in leaves:
                     raise UnsupportedValue(f"link {e.key!r} points at nothing this checkpoint holds", key=e.key)
                 leaves[e.key] = leaves[root]
                 if root in self._objects:

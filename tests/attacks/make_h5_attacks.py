@@ -27,6 +27,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "h5_truncated.mdl": ("CorruptCheckpoint", "open"),
     "h5_shape_mismatch.mdl": ("CorruptCheckpoint", "open"),
     "h5_missing_metadata.mdl": ("CorruptCheckpoint", "open"),
+    "h5_link_cycle.mdl": ("LinkCycle", "open"),
     "h5_unknown_serializer.mdl": ("UnsupportedFormat", "open"),
     "h5_external_link.mdl": ("UnsafeCheckpoint", "open"),
     "h5_bad_lz4_chunk.mdl": ("CorruptCheckpoint", "read"),
@@ -109,6 +110,19 @@ def make(out: Path) -> list[Path]:
     _small_checkpoint(p)
     with h5py.File(p, "r+") as f:
         del f.attrs["model.b.__metadata__"]
+
+    p = fresh("h5_link_cycle.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:  # model.w and model.b tied to each other: no value behind either
+        for key, target in (("model.w", "model.b"), ("model.b", "model.w")):
+            rec = json.loads(f.attrs[f"{key}.__metadata__"])
+            rec[f"{key}.__metadata__"] = {
+                "key": target,
+                "__LINKED__": True,
+                "__TYPE__": "LinkedObject",
+                "__NONE__": True,
+            }
+            f.attrs[f"{key}.__metadata__"] = json.dumps(rec, indent=4)
 
     p = fresh("h5_unknown_serializer.mdl")
     _small_checkpoint(p)

@@ -37,6 +37,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "st_unknown_dtype.safetensors": ("UnsupportedDtype", "open"),
     "st_metadata_not_str.safetensors": ("CorruptCheckpoint", "open"),
     "st_bad_record.safetensors": ("CorruptCheckpoint", "open"),
+    "st_link_cycle.safetensors": ("LinkCycle", "open"),
     "st_truncated.safetensors": ("CorruptCheckpoint", "open"),
     "st_deep_header.safetensors": ("CorruptCheckpoint", "open"),
     "st_deep_metadata.safetensors": ("CorruptCheckpoint", "open"),
@@ -116,12 +117,27 @@ def safetensors_files() -> dict[str, bytes]:
             },
             bytes(16),
         ),
+        # Two keys recorded as links to each other: both are stored, neither holds the value.
+        "st_link_cycle.safetensors": _st(
+            {
+                "__metadata__": {
+                    "format": "pt",
+                    "ckptconv": json.dumps(
+                        {
+                            "version": 1,
+                            "keys": ["a", "b"],
+                            "entries": {"a": {"kind": "link", "target": "b"}, "b": {"kind": "link", "target": "a"}},
+                        }
+                    ),
+                },
+                **two,
+            },
+            bytes(16),
+        ),
         "st_truncated.safetensors": good[: len(good) - 5],
         # Nesting far past Python's recursion limit: json.loads would raise RecursionError.
         "st_deep_header.safetensors": _st(b'{"a":' + b"[" * DEEP + b"]" * DEEP + b"}", b""),
-        "st_deep_metadata.safetensors": _st(
-            b'{"__metadata__":{"format":' + b"{" * DEEP + b"}" * DEEP + b"}}", b""
-        ),
+        "st_deep_metadata.safetensors": _st(b'{"__metadata__":{"format":' + b"{" * DEEP + b"}" * DEEP + b"}}", b""),
         # A metadata string that is itself JSON (the record ckptconv writes), nested deep.
         "st_deep_record.safetensors": _st(
             {"__metadata__": {"format": "pt", "ckptconv": "[" * DEEP + "]" * DEEP}, **two}, bytes(16)

@@ -45,6 +45,7 @@ from ckptconv.engine.layouts.transforms import TRANSFORMS
 from ckptconv.engine.layouts.views import KeyView, plan_on_source
 from ckptconv.engine.plan import Plan, Step
 from ckptconv.formats.base import Entry, TensorSource
+from ckptconv.formats.links import link_root
 from ckptconv.formats.tree import DICT, LIST, ODICT, TreeSpec, flat_dict_spec, flatten, wrap_spec
 
 INNER_PREFIX = "model."
@@ -237,14 +238,6 @@ def locality_order(steps: list[Step]) -> list[Step]:
     return [steps[i] for i in sorted(range(len(steps)), key=lambda i: (rank[i], i))]
 
 
-def _resolve_links(by_key: Mapping[str, Entry], key: str) -> str:
-    seen = 0
-    while key in by_key and by_key[key].kind == "link" and seen < 64:
-        key = by_key[key].target or key
-        seen += 1
-    return key
-
-
 def _plan_import(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
     fam, var, _, entries, by_key, config, path, _, warnings = ctx.unpack()
     conf = convert_config_doc(fam, var, config, path)
@@ -260,7 +253,7 @@ def _plan_import(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
         return INNER_PREFIX.rstrip(".") + "." + upgrades.rename_key(cs_key, canon_node, tgt_node)
 
     def pre_of(k: str) -> Pre:
-        return Pre((_resolve_links(by_key, k),))
+        return Pre((link_root(k, by_key),))
 
     steps = locality_order(_rule_steps(mapping.outputs, "import", by_key, env, pre_of, out_key))
     inner = [s.out.key[len(MODEL) + 1 :] for s in steps]
@@ -325,16 +318,16 @@ def _plan_export(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
     warnings += mapping.warnings + mapping.incomplete
 
     def pre_of(canon: str) -> Pre:
-        src = _resolve_links(by_key, canon_to_src[canon])
+        src = link_root(canon_to_src[canon], by_key)
         site = lora_by_base.get(canon)
         if site is not None:
-            a = _resolve_links(by_key, canon_to_src[site.a])
-            b = _resolve_links(by_key, canon_to_src[site.b])
+            a = link_root(canon_to_src[site.a], by_key)
+            b = link_root(canon_to_src[site.b], by_key)
             base = Pre((src, a, b), lora_fn(site), f"LoRA fold x{site.scale:g}")
         else:
             base = Pre((src,))
         if canon in masks:
-            base = masked(base, _resolve_links(by_key, canon_to_src[masks[canon]]))
+            base = masked(base, link_root(canon_to_src[masks[canon]], by_key))
         f = conf.mup.factor(canon) if conf.mup is not None else None
         if f is None:
             return base
@@ -409,7 +402,7 @@ def _plan_cs_to_cs(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
             continue
         new_key = f"{MODEL}.{prefix}{upgrades.rename_key(inner, src_node, tgt_node)}"
         if inner in fills:
-            src_key = _resolve_links(by_key, inner_to_src[fills[inner]])
+            src_key = link_root(inner_to_src[fills[inner]], by_key)
             steps.append(make_step(new_key, [Pre((src_key,))], TRANSFORMS["copy"].to_cs, {}, 0, "copy", 0.0, by_key))
             continue
         if _is_none(e) or e.kind in ("value", "object"):
@@ -525,7 +518,7 @@ def _plan_hf_style(ctx: PlanContext, hf_style: set[str]) -> tuple[Plan, ConfigRe
         return f"{MODEL}.{upgrades.rename_key(k, canon_node, tgt_node) if direction == 'import' else k}"
 
     def pre_of(k: str) -> Pre:
-        return Pre((_resolve_links(by_key, to_src[k]),))
+        return Pre((link_root(to_src[k], by_key),))
 
     steps = locality_order(_rule_steps(mapping.outputs, direction, by_key, env, pre_of, out_key))
     dropped_tops = {"optimizer", "lr_scheduler", "schedulers", "grad_scaler", "amp"}

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from ckptconv.core.errors import SparsityStateError
 from ckptconv.engine.plan import Step
 from ckptconv.formats.base import Entry
-from ckptconv.formats.sharding import resolve_link
+from ckptconv.formats.links import link_root
 from ckptconv.formats.tree import DICT, LIST, ODICT, TUPLE, TreeSpec
 
 MASK_RELEASE = (2, 2)  # first release that keeps masks in the model and the state at the top level
@@ -231,8 +231,8 @@ def _leaf_keys(node: TreeSpec, prefix: str) -> list[str]:
 
 
 def _resolved(by_key: Mapping[str, Entry], key: str) -> Entry:
-    final = resolve_link(key, by_key)
-    if final is None:
+    final = link_root(key, by_key)
+    if final not in by_key:
         raise SparsityStateError(f"{key} is listed in the checkpoint's tree spec but has no stored value")
     return by_key[final]
 

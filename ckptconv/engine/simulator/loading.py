@@ -29,6 +29,7 @@ from ckptconv.core.errors import CheckpointError, CheckpointMismatch
 from ckptconv.core.releases import parse_release
 from ckptconv.engine.simulator.checkpoint_io import read_checkpoint, subtree_spec, top_level_keys
 from ckptconv.formats.base import Entry, TensorSource
+from ckptconv.formats.links import link_root
 
 WRAPPER_PREFIX = "model."
 MAX_LISTED = 50
@@ -101,9 +102,7 @@ def check_keys(
     for k, flat in mapping.items():
         if k not in expected:
             continue
-        e = entries.get(flat)
-        if e is not None and e.kind == "link":
-            e = entries.get(e.target)
+        e = entries.get(link_root(flat, entries))
         if e is None or e.kind not in ("tensor", "array"):
             shapes.append(f"{k}: not a tensor in the checkpoint")
         elif tuple(e.shape or ()) != expected[k]:
