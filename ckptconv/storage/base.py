@@ -23,6 +23,7 @@ Contract (every backend passes ``tests/test_storage.py``):
 from __future__ import annotations
 
 import abc
+import collections
 import hashlib
 import io
 from collections.abc import Iterable, Iterator
@@ -168,15 +169,31 @@ class Storage(abc.ABC):
 
 
 class RangeReader(io.RawIOBase):
-    """A seekable read-only file object built on ``Storage.read_range``, with read-ahead.
+    """A seekable read-only file object built on ``Storage.read_range``, with a cache of blocks.
 
-    h5py and tarfile-style consumers issue many small reads; the read-ahead buffer turns them
-    into few ranged requests while memory stays bounded by ``block_size``. With ``start``, the
-    reader is a window: position 0 is byte ``start`` of the object and ``size`` bytes follow (a
-    file stored inside another, such as the records of a PyTorch distributed checkpoint).
+    h5py and tarfile-style consumers issue many small reads. A small read that misses the cache
+    fetches a block around it and keeps it: ``block_size`` bytes when it continues where the last
+    block ended (or is the first read: a file's metadata usually starts at its front), otherwise
+    ``jump_block`` bytes aligned to that size (an HDF5 file's object headers and B-tree nodes lie
+    scattered between its datasets: fetching 8 MiB for each cost a plan over S3 most of the file).
+    The ``cached_blocks`` most recently used blocks are kept, so memory stays bounded by about
+    ``block_size + cached_blocks * jump_block``; reads of ``block_size`` or more go straight to
+    storage. With ``start``, the reader is a window: position 0 is byte ``start`` of the object and
+    ``size`` bytes follow (a file stored inside another, such as the records of a PyTorch
+    distributed checkpoint).
     """
 
-    def __init__(self, storage: Storage, uri: str, size: int, block_size: int = 8 << 20, *, start: int = 0) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        uri: str,
+        size: int,
+        block_size: int = 8 << 20,
+        *,
+        start: int = 0,
+        jump_block: int = 256 << 10,
+        cached_blocks: int = 32,
+    ) -> None:
         super().__init__()
         self._storage = storage
         self._uri = uri
@@ -184,8 +201,11 @@ class RangeReader(io.RawIOBase):
         self._start = start
         self._pos = 0
         self._block_size = block_size
-        self._buf = b""
-        self._buf_start = 0
+        self._jump_block = min(jump_block, block_size)
+        self._cached_blocks = max(1, cached_blocks)
+        self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # start -> bytes, LRU order
+        self._last_end: int | None = None  # where the last fetched block ended
+        self.fetches = 0  # ranged reads made (for tests)
 
     def readable(self) -> bool:
         return True
@@ -215,16 +235,38 @@ class RangeReader(io.RawIOBase):
         want = min(len(view), max(0, self._size - self._pos))
         if want == 0:
             return 0
-        buf_end = self._buf_start + len(self._buf)
-        if self._buf_start <= self._pos and self._pos + want <= buf_end:
-            start = self._pos - self._buf_start
-            view[:want] = self._buf[start : start + want]
-        elif want >= self._block_size:
-            view[:want] = self._storage.read_range(self._uri, self._start + self._pos, want)
+        if want >= self._block_size:
+            view[:want] = self._fetch(self._pos, want)
         else:
-            length = min(self._block_size, self._size - self._pos)
-            self._buf = self._storage.read_range(self._uri, self._start + self._pos, length)
-            self._buf_start = self._pos
-            view[:want] = self._buf[:want]
+            block_start, block = self._block_for(self._pos, want)
+            at = self._pos - block_start
+            view[:want] = block[at : at + want]
         self._pos += want
         return want
+
+    def _block_for(self, pos: int, want: int) -> tuple[int, bytes]:
+        """A cached block holding ``[pos, pos + want)``, fetched on a miss."""
+        for block_start, block in self._blocks.items():
+            if block_start <= pos and pos + want <= block_start + len(block):
+                self._blocks.move_to_end(block_start)
+                return block_start, block
+        if self._last_end is None or pos == self._last_end:
+            begin, length = pos, self._block_size  # first or sequential: read ahead far
+        else:
+            begin = pos - pos % self._jump_block
+            length = max(self._jump_block, pos + want - begin)
+        length = min(length, self._size - begin)
+        block = self._fetch(begin, length)
+        self._last_end = begin + length
+        self._blocks[begin] = block
+        # Bounded in bytes too: a jump read of a few MB (a small dataset's data) is a block as well.
+        limit = self._block_size + self._cached_blocks * self._jump_block
+        while len(self._blocks) > 1 and (
+            len(self._blocks) > self._cached_blocks or sum(map(len, self._blocks.values())) > limit
+        ):
+            self._blocks.popitem(last=False)
+        return begin, block
+
+    def _fetch(self, pos: int, length: int) -> bytes:
+        self.fetches += 1
+        return self._storage.read_range(self._uri, self._start + pos, length)
