@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import InvalidRequest
-from ckptconv.core.uri import basename, parent
+from ckptconv.core.uri import basename, normalize_uri, parent
 from ckptconv.engine.cs_yaml import dump_cs_yaml
+from ckptconv.engine.fanout import run_fanout, run_part
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import dump_hf_json, find_hf_config, load_config
 from ckptconv.engine.layouts.config_plan import ConfigResult
@@ -35,10 +36,13 @@ from ckptconv.engine.layouts.planner import Request
 from ckptconv.engine.layouts.registry import model_table
 from ckptconv.engine.layouts.upgrades import parse_model_format
 from ckptconv.engine.plan import Plan
+from ckptconv.engine.run import ConvertResult, run_plan
+from ckptconv.formats.components import ComponentSink, ComponentSource
+from ckptconv.formats.detect import open_source
+from ckptconv.storage import open_storage
 
-if TYPE_CHECKING:  # for annotations only: planning and listing never load the runner
+if TYPE_CHECKING:  # for annotations only
     from ckptconv.engine.execute import Progress
-    from ckptconv.engine.run import ConvertResult
     from ckptconv.formats.base import TensorSource
 
 DEFAULT_HF_SHARD_SIZE = "10GB"
@@ -77,7 +81,6 @@ def _source_base(source: Any) -> str:
 
 def output_names(source: Any, config_uri: str | None, tgt_node: str, *, output_dir: str | None) -> tuple[str, str]:
     """(checkpoint target URI, config file path relative to the target's parent)."""
-    from ckptconv.storage import open_storage
 
     src_uri = source.uri.rstrip("/")
     storage = open_storage(src_uri)
@@ -130,14 +133,9 @@ def output_target(
 def open_model_source(uri: str, model: str | None = None, src_fmt: str | None = None, fmt: str | None = None) -> Any:
     """The source of a model conversion: the checkpoint at ``uri``, or for a model whose Hugging
     Face side is several directories (DPR, LLaVA), those directories read as one."""
-    from ckptconv.core.uri import normalize_uri
-    from ckptconv.formats.detect import open_source
 
     table = model_table(model) if model is not None else None
     if table is not None and table.kind == COMPOSITE and src_fmt == "hf":
-        from ckptconv.formats.components import ComponentSource
-        from ckptconv.storage import open_storage
-
         uri = normalize_uri(uri)
         return ComponentSource(open_storage(uri), uri, table.components)
     return open_source(uri, fmt)
@@ -257,8 +255,6 @@ def model_output(
     extras = {k: v for k, v in plan.extras.items() if k not in ("config_ignored_keys", "components")}
     out = ModelOutput(plan, to, target, sink_options, {cfg_rel: config_bytes}, {"model_conversion": extras})
     if components:  # several model directories in one output (DPR's encoders, LLaVA's parts)
-        from ckptconv.formats.components import ComponentSink, ComponentSource
-
         found = planner_of(model)
         assert found is not None  # only a composite model's plan has components
         out.extra_files = found[1].hf_config_files(plan, posixpath.dirname(cfg_rel), target)
@@ -294,8 +290,6 @@ def convert_model(
     ``parallelism`` > 1 fans the conversion out (see :mod:`ckptconv.engine.fanout`; ``parts``
     hands the parts to workers); not for composite models, whose output spans several formats'
     directories."""
-    from ckptconv.engine.fanout import run_fanout
-    from ckptconv.engine.run import run_plan
 
     source, _ = _open(src, model, src_fmt)
     try:
@@ -351,7 +345,6 @@ def convert_model_part(
 ) -> bool:
     """Part ``index`` of a fanned-out :func:`convert_model` (``options`` as it takes them); False
     when the part was recorded before."""
-    from ckptconv.engine.fanout import run_part
 
     source, _ = _open(src, options["model"], options["src_fmt"])
     try:
@@ -393,7 +386,6 @@ def convert_config(
         out["ignored_keys"] = result.ignored
     if not write or uri is None:
         return out
-    from ckptconv.storage import open_storage
 
     storage = open_storage(uri)
     name = basename(uri)

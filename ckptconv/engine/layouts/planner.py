@@ -43,6 +43,7 @@ from ckptconv.engine.layouts.source_info import detect_release, metadata_params,
 from ckptconv.engine.layouts.steps import Pre, lora_fn, make_step, masked, scale_fn, sideband_sparsity, zero_nans
 from ckptconv.engine.layouts.transforms import TRANSFORMS
 from ckptconv.engine.layouts.views import KeyView, plan_on_source
+from ckptconv.engine.legacy.dataloader_state import add_dataloader_state, has_dataloader_state, state_from_config
 from ckptconv.engine.plan import Plan, Step
 from ckptconv.formats.base import Entry, TensorSource
 from ckptconv.formats.links import link_root
@@ -542,8 +543,6 @@ def _plan_hf_style(ctx: PlanContext, hf_style: set[str]) -> tuple[Plan, ConfigRe
 def _with_dataloader_state(plan: Plan, config: dict[str, Any], src_node: str, tgt_node: str) -> Plan:
     """Fold a 1.9 run's dataloader files into the checkpoint when crossing into 2.0 (as the Model
     Zoo's converter does since 2.1): the old config's ``cerebras.save_iter_state_path`` names them."""
-    from ckptconv.engine.legacy.dataloader_state import add_dataloader_state, has_dataloader_state, state_from_config
-
     if not (release_key(upgrades.release_of(src_node)) < (2, 0) <= release_key(upgrades.release_of(tgt_node))):
         return plan
     cerebras = config.get("cerebras")

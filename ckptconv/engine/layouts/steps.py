@@ -16,7 +16,7 @@ from ckptconv.engine.layouts import folding
 from ckptconv.engine.layouts.dictpath import get_path
 from ckptconv.engine.layouts.transforms import TRANSFORMS, lora_fold
 from ckptconv.engine.plan import IDENTITY, Step, Transform
-from ckptconv.formats.base import Entry
+from ckptconv.formats.base import Entry, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,7 @@ class Pre:
 
 
 def meta_tensor(e: Entry) -> Any:
-    import torch
-
-    from ckptconv.formats.base import torch_dtype
+    import torch  # deferred: planning is torch-free; only the meta tensors of a dry run need it
 
     if e.kind not in ("tensor", "array") or e.shape is None or e.dtype is None:
         raise ConversionError(f"{e.key} is a {e.kind}, not a tensor; a layout rule cannot transform it")
