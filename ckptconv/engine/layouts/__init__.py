@@ -9,7 +9,8 @@ engine. Modules, bottom up:
 - ``expr``, ``rules``, ``transforms``, ``config`` (config conversion), ``hooks`` (config hooks
   several families share; one family's sit beside its table in ``families/<name>.py``),
   ``table_merge``, ``family`` (a family and its variants), ``tables`` (loading the tables),
-  ``registry`` (model names -> tables), ``upgrades`` (the release graph, format names),
+  ``registry`` (model names -> tables), ``model_formats`` (format names), ``release_edges``
+  (key renames and config steps per release), ``upgrades`` (the release graph),
   ``folding``, ``sparsity``;
 - ``views`` (a checkpoint under other key names), ``planner`` (one family's plan);
 - ``composite`` (parts planned by their families), ``families/dpo.py`` (a wrapper's planner),
