@@ -1,13 +1,16 @@
 """Model-layout format names: ``hf``, ``cs-X.Y`` (``cs-auto`` as a source, ``cs-current`` as a
-target) and a wrapper's suffixes (``cs-X.Y-dpo``, ``cs-2.1-no-dpo``), parsed into release-graph
-nodes (:mod:`ckptconv.engine.layouts.upgrades`)."""
+target) and the suffixes of the wrapper tables (``cs-X.Y-dpo``, ``cs-2.1-no-dpo``), parsed into
+release-graph nodes (:mod:`ckptconv.engine.layouts.upgrades`)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 from ckptconv.core.errors import NoConversionPath
 from ckptconv.core.releases import CURRENT_RELEASE, RELEASES
+from ckptconv.engine.layouts.family import WRAPPER
+from ckptconv.engine.layouts.registry import model_tables
 
 
 def parse_format(fmt: str, *, side: str) -> str:
@@ -37,24 +40,36 @@ def parse_format(fmt: str, *, side: str) -> str:
 CANONICAL_RELEASE = "2.1"  # the key vocabulary family tables are written in (2.1 and newer)
 
 
-_FORMAT = re.compile(r"(cs-\d+\.\d+|cs-current|cs-auto|hf)(-no-dpo|-dpo)?")
+@functools.cache
+def _format_pattern() -> re.Pattern[str]:
+    """A release node with an optional wrapper suffix: ``-<suffix>`` or ``-no-<suffix>`` for each
+    wrapper table's ``format_suffix`` (``dpo``)."""
+    suffixes = "|".join(re.escape(s) for s in wrapper_suffixes())
+    return re.compile(rf"(cs-\d+\.\d+|cs-current|cs-auto|hf)(-no-(?:{suffixes})|-(?:{suffixes}))?")
+
+
+def wrapper_suffixes() -> list[str]:
+    """The format suffixes of the wrapper tables (``dpo``: ``cs-X.Y-dpo``, ``cs-2.1-no-dpo``)."""
+    return sorted(str(t.raw["format_suffix"]) for t in model_tables().values() if t.kind == WRAPPER)
 
 
 def split_format(fmt: str) -> tuple[str, str]:
     """``cs-2.9-dpo`` -> (``cs-2.9``, ``dpo``); ``cs-2.1-no-dpo`` -> (``cs-2.1``, ``no-dpo``);
     anything else -> (fmt, "")."""
-    m = _FORMAT.fullmatch(fmt)
+    m = _format_pattern().fullmatch(fmt)
     if m is None or m.group(2) is None:
         return fmt, ""
     return m.group(1), m.group(2)[1:]
 
 
 def parse_model_format(fmt: str, *, side: str) -> str:
-    """Validate a model-layout format, DPO suffixes included; returns the release node plus suffix."""
+    """Validate a model-layout format, wrapper suffixes included; returns the release node plus suffix."""
     base, wrapper = split_format(fmt)
     node = parse_format(base, side=side)
     if wrapper and node == "hf":
-        raise NoConversionPath(f"{fmt!r} is not a format", hint="DPO formats are cs-X.Y-dpo and cs-2.1-no-dpo")
+        wrappers = [t for t in model_tables().values() if t.kind == WRAPPER]
+        hint = "; ".join(f"{t.name} formats are {', '.join(f for f in t.formats if f != 'hf')}" for t in wrappers)
+        raise NoConversionPath(f"{fmt!r} is not a format", hint=hint)
     return f"{node}-{wrapper}" if wrapper else node
 
 
