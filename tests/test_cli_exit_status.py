@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import ckptconv.engine.diff as diff_module
+import ckptconv.cli.engine as cli_engine
 from ckptconv.cli.main import EXIT_ERROR, EXIT_INTERNAL_ERROR, main
 
 
@@ -33,7 +33,7 @@ def test_unexpected_exception_is_not_mistaken_for_an_answer(pair, capsys, monkey
     def broken(*args, **kwargs):  # fault injection: a bug inside the engine
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(diff_module, "diff_checkpoints", broken)
+    monkeypatch.setattr(cli_engine, "diff_checkpoints", broken)
     assert main(["diff", *pair]) == EXIT_INTERNAL_ERROR
     err = capsys.readouterr().err
     assert "error [internal_error]: RuntimeError: injected" in err

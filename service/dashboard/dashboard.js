@@ -46,6 +46,20 @@ function el(tag, props = {}, ...children) {
   return node;
 }
 
+// A file written out of order carries a block digest instead of its sha256 (see the API's
+// OutputFile.sha256_blocks): show it with the block size it was computed over.
+function digest(output) {
+  if (output.sha256) return el("code", { class: "sha", textContent: output.sha256 });
+  const blocks = output.sha256_blocks;
+  if (!blocks) return el("code", { class: "sha", textContent: "–" });
+  const cell = el("span");
+  cell.append(
+    el("code", { class: "sha", textContent: blocks.sha256 }),
+    el("span", { class: "muted", textContent: ` (block digest, ${bytes(blocks.block_size)} blocks)` }),
+  );
+  return cell;
+}
+
 function bytes(n) {
   if (n === null || n === undefined) return "–";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -532,7 +546,7 @@ function renderDetail(job) {
       el("h3", { textContent: "Outputs" }),
       table(
         ["uri", "role", "size", "sha256"],
-        result.outputs.map((o) => [o.uri, o.role, bytes(o.size), el("code", { class: "sha", textContent: o.sha256 || "–" })]),
+        result.outputs.map((o) => [o.uri, o.role, bytes(o.size), digest(o)]),
       ),
     );
   }
