@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from ckptconv.storage.digests import BlockHasher, combine, file_digests
+from ckptconv.storage.digests import BlockHasher, combine, file_digests, holds_output
 
 BLOCK = 1 << 16
 
@@ -52,3 +52,15 @@ def test_the_documented_coreutils_command_prints_the_block_digest(tmp_path):
         text=True,
     ).stdout.split()[0]
     assert out == file_digests(io.BytesIO(data), BLOCK)[1]
+
+
+def test_an_output_entry_is_held_by_its_sha256_or_its_block_digest():
+    data = os.urandom(10_000)
+    whole, blocks = file_digests(io.BytesIO(data), 4096)
+    by_sha = {"size": len(data), "sha256": whole}
+    by_blocks = {"size": len(data), "sha256": None, "sha256_blocks": {"block_size": 4096, "sha256": blocks}}
+    assert holds_output(data, by_sha) and holds_output(data, by_blocks)
+    changed = data[:-1] + bytes([data[-1] ^ 1])
+    assert not holds_output(changed, by_sha) and not holds_output(changed, by_blocks)
+    assert not holds_output(data[:-1], by_sha)
+    assert not holds_output(data, {"size": len(data), "sha256": None})  # nothing to compare: not held

@@ -19,9 +19,10 @@ block on its own, in any order, on the thread that uploads it.
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import threading
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckptconv.storage.base import Storage
 
@@ -86,3 +87,15 @@ def file_digests(f: BinaryIO, block_size: int) -> tuple[str, str]:
         whole.update(buf[:n])
         blocks.append(hashlib.sha256(buf[:n]).hexdigest())
     return whole.hexdigest(), combine(blocks)
+
+
+def holds_output(data: bytes, entry: dict[str, Any]) -> bool:
+    """True when ``data`` is the file a manifest or result entry describes: its size, and its
+    sha256 or, for a file written out of order, its block digest (``sha256_blocks``)."""
+    if len(data) != entry["size"]:
+        return False
+    blocks = entry.get("sha256_blocks")
+    whole, block_digest = file_digests(io.BytesIO(data), blocks["block_size"] if blocks else DEFAULT_BLOCK_SIZE)
+    if entry.get("sha256") is not None:
+        return whole == entry["sha256"]
+    return blocks is not None and block_digest == blocks["sha256"]
