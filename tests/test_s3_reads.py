@@ -117,6 +117,32 @@ def test_the_plan_reports_and_the_run_keeps_a_memory_budget(s3_bucket, s3_server
     assert result.memory == memory and result.verify["ok"]
 
 
+def test_an_s3_target_s_upload_buffers_come_out_of_the_read_ahead(s3_bucket, s3_server):
+    g = torch.Generator().manual_seed(2)
+    tensors = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(6)}  # 1 MiB each
+    uri = f"s3://{s3_bucket}/src/model.safetensors"
+    S3Storage(s3_server).write_bytes(uri, save(tensors))
+    largest = 512 * 512 * 4
+    local = plan_conversion(uri, to="cs-h5", memory_budget="500MiB", target="/tmp/out.mdl")["memory"]
+    remote = plan_conversion(uri, to="cs-h5", memory_budget="500MiB", target=f"s3://{s3_bucket}/out/model.mdl")
+    assert remote["ok"], remote
+    memory = remote["memory"]
+    # The streamed H5 upload: 4 parts of 16 MiB in flight and 2 being filled.
+    buffers = (4 + 2) * (16 << 20)
+    assert local["writer_buffer_bytes"] == 0
+    assert memory["writer_buffer_bytes"] == buffers
+    assert memory["read_ahead_bytes"] == local["read_ahead_bytes"] - buffers
+    assert memory["minimum_bytes"] == 2 * largest + buffers + (300 << 20)
+    assert memory["estimated_peak_bytes"] == 500 << 20
+    too_small = plan_conversion(uri, to="cs-h5", memory_budget="390MiB", target=f"s3://{s3_bucket}/out/model.mdl")
+    assert not too_small["ok"] and "upload buffers" in too_small["errors"][0]["detail"]
+    # A sharded safetensors target uploads one file at a time through the same part upload.
+    st = plan_conversion(uri, to="safetensors", memory_budget="500MiB", target=f"s3://{s3_bucket}/out/st")
+    assert st["memory"]["writer_buffer_bytes"] == buffers
+    result = convert(uri, f"s3://{s3_bucket}/out/model.mdl", to="cs-h5", memory_budget="500MiB")
+    assert result.memory == memory and result.verify["ok"]
+
+
 def test_planning_an_h5_file_over_s3_reads_its_scattered_metadata_in_small_blocks(s3_bucket, recorded, tmp_path):
     proxy, seen = recorded
     g = torch.Generator().manual_seed(4)

@@ -81,6 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source")
     p.add_argument("--to", required=True)
     p.add_argument("--from", dest="source_format")
+    p.add_argument(
+        "--target", default="", help="where the output would go: an s3:// target's upload buffers count in the memory"
+    )
     add_kind_flags(p, "convert")
     p.set_defaults(func=cmd_plan)
 
@@ -159,9 +162,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     options = kind_options(args, "convert")
-    # A plan reads only the source: of the target it needs the format, not a place.
+    # A plan reads only the source: of the target it needs the format, and where it is (S3 or not).
     view = plan_kind(
-        "convert", options, args.source, source_format=args.source_format, target="", target_format=args.to
+        "convert", options, args.source, source_format=args.source_format, target=args.target, target_format=args.to
     )
     json.dump(view, sys.stdout, indent=2)
     print()

@@ -18,7 +18,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.engine.execute import Progress
 from ckptconv.engine.fanout import PartRunner, run_fanout, run_part
 from ckptconv.engine.plan import Plan, identity_plan
-from ckptconv.engine.run import ConvertResult, jsonable, run_plan, source_facts
+from ckptconv.engine.run import ConvertResult, jsonable, run_plan, source_facts, writer_buffer_bytes
 from ckptconv.formats import sink_class
 from ckptconv.formats.detect import check_format, open_source, target_format_from_name
 from ckptconv.formats.sharding import plan_shards
@@ -170,8 +170,12 @@ def plan_conversion(
     dtype: str | None = None,
     limit: int | None = 1000,
     memory_budget: int | str | None = None,
+    target: str | None = None,
 ) -> dict[str, Any]:
-    """Dry run: what a container conversion would write, from the source's metadata only."""
+    """Dry run: what a container conversion would write, from the source's metadata only.
+
+    ``target``, when given, is only looked at for where it is: an S3 target's upload buffers
+    count in the memory facts."""
     try:
         check_format(to)
         src = open_source(source, source_format)
@@ -192,7 +196,7 @@ def plan_conversion(
         out = plan.to_dict(source_sizes=sizes, limit=limit)
         out["shards"] = _shard_layout(to, plan, shard_size)
         try:
-            out["memory"] = plan.memory(sizes, memory_budget)
+            out["memory"] = plan.memory(sizes, memory_budget, writer_buffer_bytes(target or "", to))
         except CkptconvError as e:
             errors.append(e.to_problem())
         out.update({"ok": not errors, "errors": errors, "source": source_facts(src), "target_format": to})

@@ -116,16 +116,21 @@ class Plan:
                 uses[k] = uses.get(k, 0) + 1
         return uses
 
-    def memory(self, source_sizes: dict[str, int], budget: int | str | None = None) -> dict[str, int | None]:
+    def memory(
+        self, source_sizes: dict[str, int], budget: int | str | None = None, writer_buffers: int = 0
+    ) -> dict[str, int | None]:
         """How a run of this plan uses memory, within ``budget`` bytes when one is given.
 
-        The executor holds the value being written plus what its reader has read ahead; the read-
-        ahead gets whatever the budget leaves beyond the largest value and a fixed allowance for
-        the interpreter and libraries. A budget below twice the largest value plus that allowance
-        cannot be kept: InvalidRequest, naming the minimum.
+        The executor holds the value being written plus what its reader has read ahead, and the
+        output's writers hold ``writer_buffers`` bytes of upload parts (an S3 target's; see
+        ``TensorSink.remote_buffer_bytes``); the read-ahead gets whatever the budget leaves beyond
+        the largest value, those buffers and a fixed allowance for the interpreter and libraries.
+        A budget below twice the largest value plus the buffers and that allowance cannot be kept:
+        InvalidRequest, naming the minimum.
         """
         largest = max([*source_sizes.values(), self.largest_entry_bytes()], default=0)
-        minimum = 2 * largest + BASE_MEMORY
+        fixed = BASE_MEMORY + writer_buffers
+        minimum = 2 * largest + fixed
         if budget is None:
             read_ahead = largest
         else:
@@ -133,15 +138,17 @@ class Plan:
             if budget < minimum:
                 raise InvalidRequest(
                     f"a memory budget of {budget} bytes is too small for this checkpoint: it needs at least"
-                    f" {minimum} (twice its largest tensor, {largest} bytes, plus {BASE_MEMORY} bytes)",
+                    f" {minimum} (twice its largest tensor, {largest} bytes, plus {writer_buffers} bytes of"
+                    f" upload buffers and {BASE_MEMORY} bytes)",
                     hint=f"raise memory_budget to {minimum} or more",
                 )
-            read_ahead = budget - largest - BASE_MEMORY
+            read_ahead = budget - largest - fixed
         return {
             "budget_bytes": budget,
             "minimum_bytes": minimum,
             "read_ahead_bytes": read_ahead,
-            "estimated_peak_bytes": read_ahead + largest + BASE_MEMORY,
+            "writer_buffer_bytes": writer_buffers,
+            "estimated_peak_bytes": read_ahead + largest + fixed,
         }
 
     def peak_memory_estimate(self, source_sizes: dict[str, int], prefetch: int = 1) -> int:

@@ -47,7 +47,7 @@ from ckptconv.core.errors import (
     VerificationFailed,
 )
 from ckptconv.core.fencing import current_attempt, fence
-from ckptconv.core.uri import basename, normalize_uri
+from ckptconv.core.uri import basename, is_s3, normalize_uri
 from ckptconv.core.uri import parent as parent_of
 from ckptconv.core.version import __version__
 from ckptconv.engine.execute import (
@@ -246,6 +246,14 @@ def _read_json(storage: Storage, uri: str) -> dict[str, Any] | None:
 # --- running a plan --------------------------------------------------------------------------
 
 
+def writer_buffer_bytes(target: str, to: str, sink_options: dict[str, Any] | None = None) -> int:
+    """Bytes the writers of format ``to`` hold in upload buffers at ``target``: their parts when
+    it is on S3, nothing for a local file (the page cache is not the process's memory)."""
+    if not target or not is_s3(target):
+        return 0
+    return sink_class(to).remote_buffer_bytes({k: v for k, v in (sink_options or {}).items() if v is not None})
+
+
 def run_plan(
     plan: Plan,
     src: TensorSource,
@@ -288,10 +296,11 @@ def run_plan(
     if target_exists(storage, layout.target, to):
         raise TargetExists(f"{layout.target} already exists")
 
-    memory = plan.memory({e.key: e.nbytes for e in src.entries()}, memory_budget)
+    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
+    buffers = writer_buffer_bytes(target, to, options)
+    memory = plan.memory({e.key: e.nbytes for e in src.entries()}, memory_budget, buffers)
     # A previous attempt of this job may have left a partial staging area: start clean.
     _discard(layout)
-    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
     sink = (sink_factory or sink_class(to))(storage, layout.sink_uri, **options)
     t0 = time.monotonic()
     try:

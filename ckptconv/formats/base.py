@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype
+from ckptconv.storage.base import streaming_buffer_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -187,6 +188,12 @@ class TensorSink(abc.ABC):
         self._state: Literal["new", "open", "committed", "closed"] = "new"
         self._write_order: list[str] = []  # the keys write() receives, in the announced order
         self._writes_done = 0  # how many of them were written: the next one is due
+
+    @classmethod
+    def remote_buffer_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes this format's writers hold in upload buffers when the target is on S3, given the
+        sink's ``options`` (memory budgets count them). By default one streaming writer at a time."""
+        return streaming_buffer_bytes()
 
     @classmethod
     def check(cls, entries: Iterable[Entry]) -> None:

@@ -48,9 +48,9 @@ from ckptconv.formats.cs_serializers import (
 from ckptconv.formats.layout import FileLayout, Span, gap_bytes
 from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage import scratch
-from ckptconv.storage.base import read_blocks
+from ckptconv.storage.base import read_blocks, streaming_buffer_bytes
 from ckptconv.storage.local import ensure_parent_dir
-from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, PartUpload
+from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
 
 
 class CsH5Sink(CerebrasSink):
@@ -155,6 +155,15 @@ class CsH5Sink(CerebrasSink):
                     concurrency=self.concurrency,
                 )
                 self._placement = StreamedPlacement(self._tmp_path, upload, list(self._regions.values()))
+
+    @classmethod
+    def remote_buffer_bytes(cls, options: dict[str, Any]) -> int:
+        """The contiguous layout (the S3 default) streams through one concurrent part upload; the
+        chunked layouts upload the finished file with one streaming writer."""
+        if options.get("chunking", "contiguous") != "contiguous":
+            return streaming_buffer_bytes()
+        part_size = int(options.get("part_size", DEFAULT_PART_SIZE))
+        return upload_buffer_bytes(part_size, int(options.get("concurrency", DEFAULT_CONCURRENCY)))
 
     def _allocate(self) -> dict[str, Region]:
         """Create every numeric dataset now, contiguous and allocated (see cs_h5_contiguous)."""

@@ -31,7 +31,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.core.uri import parent
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
 from ckptconv.formats.links import link_root
-from ckptconv.storage.part_upload import open_output_writer
+from ckptconv.storage.part_upload import open_output_writer, upload_buffer_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -264,6 +264,11 @@ def sink_files(
 class ShardedSink(TensorSink):
     """What the Hugging Face style sinks share: a target that is one file or a directory of
     shards (``shard_size``; ``always_sharded`` writes shard names and an index even for one)."""
+
+    @classmethod
+    def remote_buffer_bytes(cls, options: dict[str, Any]) -> int:
+        """One output file at a time, through :func:`open_output_writer`'s concurrent part upload."""
+        return upload_buffer_bytes()
 
     def __init__(
         self,

@@ -57,6 +57,7 @@ def plan(ctx: JobContext) -> dict[str, Any]:
         shard_size=ctx.options.shard_size,
         dtype=ctx.options.dtype,
         memory_budget=ctx.options.memory_budget,
+        target=ctx.target.get("uri"),
     )
     if not doc.get("ok") and set(doc) <= {"ok", "errors"} and doc.get("errors"):
         # The source could not even be opened: that is an error of the request, not a plan.

@@ -35,6 +35,15 @@ from ckptconv.core.errors import ObjectNotFound
 
 BLOCK_SIZE = 8 << 20
 
+# Part size of a streaming writer whose caller does not choose one (``open_writer``).
+STREAM_PART_SIZE = 64 << 20
+
+
+def streaming_buffer_bytes(part_size: int = STREAM_PART_SIZE) -> int:
+    """Bytes a streaming S3 writer buffers at most: the part being filled and the one uploading
+    (see :class:`~ckptconv.storage.s3.S3Writer`). Memory budgets count it for S3 outputs."""
+    return 2 * part_size
+
 
 def read_blocks(f: BinaryIO, block_size: int = BLOCK_SIZE) -> Iterator[memoryview]:
     """The contents of ``f`` in blocks, all read into one reused buffer (each block is valid until
@@ -129,7 +138,7 @@ class Storage(abc.ABC):
         return h.hexdigest()
 
     @abc.abstractmethod
-    def open_writer(self, uri: str, *, overwrite: bool = False, part_size: int = 64 << 20) -> Writer: ...
+    def open_writer(self, uri: str, *, overwrite: bool = False, part_size: int = STREAM_PART_SIZE) -> Writer: ...
 
     def write_bytes(self, uri: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
         with self.open_writer(uri, overwrite=overwrite) as w:

@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_CONCURRENCY = 4
 _GROUP = 1_000  # parts of one size before the size doubles (as S3Writer's parts do)
+# Parts being filled at once by a writer that fills the object roughly in order (see above).
+OPEN_PARTS = 2
+
+
+def upload_buffer_bytes(part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY) -> int:
+    """Bytes one :class:`PartUpload` buffers at most: ``concurrency`` parts in flight plus the
+    parts still being filled. Memory budgets count it for outputs written to S3."""
+    return (max(1, concurrency) + OPEN_PARTS) * part_size
 
 
 class PartUpload:
@@ -331,4 +339,11 @@ def open_output_writer(storage: Storage, uri: str, size: int | None = None) -> W
     return writer
 
 
-__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "PartUpload", "PartWriter", "open_output_writer"]
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_PART_SIZE",
+    "PartUpload",
+    "PartWriter",
+    "open_output_writer",
+    "upload_buffer_bytes",
+]
