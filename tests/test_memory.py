@@ -96,7 +96,8 @@ def _checkpoint(path: Path, n_tensors: int) -> Path:
     return path
 
 
-def _peak_rss(*args: str, prelude: str = "") -> int:
+def _cli(*args: str, prelude: str = "") -> list[str]:
+    """The lines a CLI command prints, its peak RSS in bytes last."""
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
         [sys.executable, "-c", prelude + "\n" + _CHILD, *args],
@@ -106,7 +107,11 @@ def _peak_rss(*args: str, prelude: str = "") -> int:
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
-    return int(out.stdout.strip().splitlines()[-1])
+    return out.stdout.strip().splitlines()
+
+
+def _peak_rss(*args: str, prelude: str = "") -> int:
+    return int(_cli(*args, prelude=prelude)[-1])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
@@ -128,3 +133,17 @@ def test_peak_rss_is_bounded_by_the_largest_tensor_not_the_checkpoint(tmp_path: 
     assert peaks[1] <= peaks[0] + 32 * MB, report
     # ... and stays within two of the largest tensor plus the buffer pool's idle cap over the base.
     assert max(peaks) <= base + 2 * largest + POOL.max_idle + 32 * MB, report
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
+def test_an_s3_to_s3_conversion_peaks_within_the_plans_estimate(tmp_path: Path, s3_bucket: str, s3_server: str) -> None:
+    from ckptconv.storage.s3 import S3Storage
+
+    local = _checkpoint(tmp_path / "model.safetensors", 12)  # 192 MiB of 16 MiB tensors
+    src = f"s3://{s3_bucket}/src/model.safetensors"
+    target = f"s3://{s3_bucket}/out/model.mdl"
+    S3Storage(s3_server).write_bytes(src, local.read_bytes())
+    memory = json.loads("\n".join(_cli("plan", src, "--to", "cs-h5", "--target", target)[:-1]))["memory"]
+    assert memory["writer_buffer_bytes"] > 0  # the streamed upload's parts are part of the estimate
+    peak = _peak_rss("convert", src, target, "--to", "cs-h5", "--no-progress")
+    assert peak <= memory["estimated_peak_bytes"], json.dumps({"peak_mb": peak / MB, "memory": memory})
