@@ -119,6 +119,9 @@ def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, 
     result = convert(remote, f"s3://{s3_bucket}/two/{name}", to=to, parallelism=2, job_id="fan-s3")
     assert [_sha(o.uri) for o in result.outputs] == expected == [o.sha256 for o in result.outputs]
     assert result.extras["parallelism"] == 2
+    # Each part's process holds its part upload's buffers: the memory facts count them.
+    assert result.memory["writer_buffer_bytes"] > 0
+    assert result.memory["estimated_peak_bytes"] > result.memory["writer_buffer_bytes"]
     assert _uploads(s3_bucket) == []
     left = [i.uri for i in open_storage(f"s3://{s3_bucket}/").list(f"s3://{s3_bucket}/two/")]
     assert sorted(left) == sorted([o.uri for o in result.outputs] + [result.manifest])

@@ -85,7 +85,7 @@ from ckptconv.formats.layout import FileLayout, Span, value_bytes
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 from ckptconv.storage.local import LocalPatch
-from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload
+from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
 
 __all__ = ["FANOUT_FORMATS", "InlineRunner", "PartRunner", "run_fanout", "run_part", "split_parts"]
 
@@ -687,7 +687,9 @@ def _commit(
         finally:
             reopened.close()
     timings["verify_s"] = round(time.monotonic() - t1, 3)
-    memory = plan.memory({e.key: e.nbytes for e in src.entries()})
+    # Each part's process uploads its ranges of an S3 target through a part upload of the grid's part size.
+    buffers = upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0
+    memory = plan.memory({e.key: e.nbytes for e in src.entries()}, writer_buffers=buffers)
     facts = {"parallelism": len(doc["parts"]), **(extras or {})}
     stage_manifest(
         layout,
