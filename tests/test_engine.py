@@ -14,6 +14,7 @@ from ckptconv.engine import run as engine
 from ckptconv.engine.convert import convert, inspect, plan_conversion
 from ckptconv.engine.execute import execute, verify_output
 from ckptconv.engine.plan import identity_plan
+from ckptconv.engine.staging import STAGING_DIR
 from ckptconv.formats import sink_class, source_class
 from ckptconv.formats.detect import open_source
 from ckptconv.formats.tree import flatten
@@ -57,7 +58,7 @@ def write_source(tmp: Path, fmt: str, tree: dict | None = None) -> str:
 
 
 def _staged_files(root: Path) -> list[Path]:
-    staging = root / engine.STAGING_DIR
+    staging = root / STAGING_DIR
     return [p for p in staging.rglob("*") if p.is_file()] if staging.exists() else []
 
 
@@ -217,7 +218,7 @@ def test_s3_to_s3_and_back(tmp_path: Path, s3_bucket: str) -> None:
     assert_same(read_all(src_local), read_all(back))
     storage = open_storage(src)
     keys = [i.uri for i in storage.list(f"s3://{s3_bucket}/")]
-    assert not [k for k in keys if engine.STAGING_DIR in k], keys
+    assert not [k for k in keys if STAGING_DIR in k], keys
 
 
 def test_concurrent_conversions_do_not_share_staging(tmp_path: Path) -> None:
@@ -242,4 +243,4 @@ def test_concurrent_conversions_do_not_share_staging(tmp_path: Path) -> None:
     for rnd in range(4):
         for i in range(4):
             assert_same(read_all(src), read_all(str(tmp_path / f"out{rnd}-{i}.mdl")))
-    assert not (tmp_path / engine.STAGING_DIR).exists()
+    assert not (tmp_path / STAGING_DIR).exists()

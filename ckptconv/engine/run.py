@@ -21,34 +21,28 @@ otherwise the job fails with ``target_exists``. Under a worker, every move is fe
 attempt number. A redelivered job (same ``job_id``) is idempotent: a published manifest with that
 id is returned as is; a staged, verified output of any attempt whose publication was interrupted
 is published again.
+
+The staging area is :mod:`ckptconv.engine.staging`; step 4 is :mod:`ckptconv.engine.publish`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
-import shutil
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import (
     InvalidRequest,
-    LeaseLost,
     ObjectNotFound,
     TargetExists,
     VerificationFailed,
 )
-from ckptconv.core.fencing import current_attempt, fence
-from ckptconv.core.uri import basename, is_s3, normalize_uri
-from ckptconv.core.uri import parent as parent_of
+from ckptconv.core.uri import is_s3, normalize_uri
 from ckptconv.core.version import __version__
 from ckptconv.engine.execute import (
     CancelFn,
@@ -61,6 +55,8 @@ from ckptconv.engine.execute import (
     verify_output,
 )
 from ckptconv.engine.plan import Plan
+from ckptconv.engine.publish import ConvertResult, _publish, _resume
+from ckptconv.engine.staging import _discard, _discard_after_failure, _Layout, _layout, discard_staging
 from ckptconv.formats import sink_class, source_class, target_exists
 from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
 from ckptconv.formats.detect import check_format
@@ -71,65 +67,6 @@ from ckptconv.storage.digests import stored_digests
 log = logging.getLogger(__name__)
 
 __all__ = ["ConvertResult", "Progress", "discard_staging", "run_plan"]
-
-STAGING_DIR = ".ckptconv-staging"
-MANIFEST_NAME = "manifest.json"
-MANIFEST_SUFFIX = ".manifest.json"
-
-
-@dataclass
-class ConvertResult:
-    target: str
-    format: str
-    outputs: list[OutputFile]
-    manifest: str
-    job_id: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    verify: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    source: dict[str, Any] = field(default_factory=dict)
-    memory: dict[str, Any] = field(default_factory=dict)
-    tensors: int = 0
-    bytes: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "target": self.target,
-            "format": self.format,
-            "job_id": self.job_id,
-            "outputs": [_file_facts(o) for o in self.outputs],
-            "manifest": self.manifest,
-            "tensors": self.tensors,
-            "bytes": self.bytes,
-            "warnings": list(self.warnings),
-            "verify": dict(self.verify),
-            "timings": dict(self.timings),
-            "source": dict(self.source),
-            **({"memory": dict(self.memory)} if self.memory else {}),
-            **({"extras": self.extras} if self.extras else {}),
-        }
-
-    @classmethod
-    def from_manifest(cls, manifest_uri: str, doc: dict[str, Any]) -> ConvertResult:
-        return cls(
-            target=doc["target"]["uri"],
-            format=doc["target"]["format"],
-            outputs=[
-                OutputFile(f["uri"], f["size"], f.get("sha256"), f.get("role", "data"), f.get("sha256_blocks"))
-                for f in doc["files"]
-            ],
-            manifest=manifest_uri,
-            job_id=doc.get("job_id"),
-            warnings=doc.get("warnings", []),
-            verify=doc.get("verify", {}),
-            timings=doc.get("timings", {}),
-            source=doc.get("source", {}),
-            memory=doc.get("memory", {}),
-            tensors=doc.get("tensors", 0),
-            bytes=doc.get("bytes", 0),
-            extras=doc.get("extras", {}),
-        )
 
 
 def source_facts(src: TensorSource) -> dict[str, Any]:
@@ -150,97 +87,6 @@ def jsonable(obj: Any) -> Any:
 
 
 # --- target layout ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a conversion writes: staging, the sink's URI inside it, and the final parent."""
-
-    storage: Storage
-    target: str  # final URI of the checkpoint (a file, a directory/prefix, or a TF prefix)
-    parent: str  # the target's parent; outputs keep their path relative to it
-    staging: str  # staging prefix (no trailing slash)
-
-    @property
-    def sink_uri(self) -> str:
-        return self.staging + "/" + basename(self.target)
-
-    def final(self, staged_uri: str) -> str:
-        rel = staged_uri[len(self.staging) + 1 :]
-        return self.storage.join(self.parent, rel)
-
-    def manifest_candidates(self) -> list[str]:
-        return [self.target + "/" + MANIFEST_NAME, self.target + MANIFEST_SUFFIX]
-
-
-def _layout(storage: Storage, target: str, staging: str | None, job_id: str | None) -> _Layout:
-    target = target.rstrip("/")
-    parent = parent_of(target)
-    if staging is None:
-        staging = attempt_staging(storage, parent, job_id)
-    return _Layout(storage, target, parent, staging.rstrip("/"))
-
-
-def attempt_staging(storage: Storage, parent: str, job_id: str | None) -> str:
-    """Where the attempt in scope of ``job_id`` stages beside ``parent`` (attempt 0 outside a worker)."""
-    attempt = current_attempt(job_id) if job_id else None
-    return storage.join(_job_staging(storage, parent, job_id), str(attempt.number if attempt else 0))
-
-
-def _job_staging(storage: Storage, parent: str, job_id: str | None) -> str:
-    """Where every attempt of one job stages (``<parent>/.ckptconv-staging/<job id>``)."""
-    return storage.join(parent, STAGING_DIR, job_id or uuid.uuid4().hex)
-
-
-def _attempt_stagings(layout: _Layout, job_id: str) -> list[_Layout]:
-    """The staging areas of this job's attempts that exist, the newest attempt first."""
-    root = _job_staging(layout.storage, layout.parent, job_id)
-    found: set[str] = set()
-    for info in layout.storage.list(root + "/"):
-        first = info.uri[len(root) + 1 :].split("/", 1)[0]
-        if first:
-            found.add(first)
-    order = sorted(found, key=lambda a: (not a.isdigit(), -int(a) if a.isdigit() else 0, a))
-    return [dataclasses.replace(layout, staging=layout.storage.join(root, a)) for a in order]
-
-
-def _discard(layout: _Layout, prefix: str | None = None) -> None:
-    """Delete the staging prefix (or ``prefix``, a job's staging root; on S3 with its incomplete
-    multipart uploads) and, locally, the temp files of writers that died mid-write and the
-    staging directories left empty."""
-    prefix = prefix or layout.staging
-    layout.storage.delete_prefix(prefix + "/")
-    local = layout.storage.local_path(prefix)
-    if local is not None:
-        shutil.rmtree(local, ignore_errors=True)
-        for d in (local, local.parent, local.parent.parent):
-            if d.name == STAGING_DIR or d == local or d.parent.name == STAGING_DIR:
-                try:
-                    d.rmdir()
-                except OSError:  # absent, or still used by another job: keep it
-                    pass
-
-
-def _discard_job(layout: _Layout, job_id: str | None) -> None:
-    """Delete the staging of every attempt of the job (after its publication, or for good)."""
-    _discard(layout, _job_staging(layout.storage, layout.parent, job_id) if job_id else None)
-
-
-def discard_staging(target: str, job_id: str, staging: str | None = None) -> None:
-    """Remove what a job (e.g. one whose worker died) left in its staging areas; idempotent."""
-    target = normalize_uri(target)
-    layout = _layout(open_storage(target), target, staging, job_id)
-    if staging is not None:
-        _discard(layout)
-    else:
-        _discard_job(layout, job_id)
-
-
-def _read_json(storage: Storage, uri: str) -> dict[str, Any] | None:
-    try:
-        return load_json(storage.read_all(uri), what=f"the manifest {uri}")
-    except ObjectNotFound:
-        return None
 
 
 # --- running a plan --------------------------------------------------------------------------
@@ -437,24 +283,9 @@ def _abort(sink: Any, storage: Storage, layout: _Layout) -> None:
         _discard_after_failure(layout)
 
 
-def _discard_after_failure(layout: _Layout) -> None:
-    """Discard staging on a failure path; a failure to clean up (storage down past the retry
-    budget) is logged, never raised over the error being handled. A later attempt of the job,
-    or ``discard_staging``, removes what is left."""
-    try:
-        _discard(layout)
-    except Exception as e:
-        log.warning("could not discard the staging area %s: %s", layout.staging, e)
-
-
 def _manifest_uri(layout: _Layout, outputs: list[OutputFile]) -> str:
     inside = all(o.uri.startswith(layout.sink_uri + "/") for o in outputs)
     return layout.manifest_candidates()[0 if inside else 1]
-
-
-def _file_facts(o: OutputFile) -> dict[str, Any]:
-    facts = {"uri": o.uri, "size": o.size, "sha256": o.sha256, "role": o.role}
-    return {**facts, "sha256_blocks": o.blocks} if o.blocks else facts
 
 
 def _fill_sha256(storage: Storage, outputs: list[OutputFile], *, reread: bool) -> list[OutputFile]:
@@ -479,95 +310,3 @@ def _fill_sha256(storage: Storage, outputs: list[OutputFile], *, reread: bool) -
             o = dataclasses.replace(o, sha256=sha256)
         done.append(o)
     return done
-
-
-def _resume(layout: _Layout, job_id: str | None) -> ConvertResult | None:
-    """Idempotent redelivery: the finished result, or the publication of a staged one (any attempt's)."""
-    if job_id is None:
-        return None
-    storage = layout.storage
-    for uri in layout.manifest_candidates():
-        doc = _read_json(storage, uri)
-        if doc is not None and doc.get("job_id") == job_id:
-            _discard_job(layout, job_id)
-            return ConvertResult.from_manifest(uri, doc)
-    for staged in _attempt_stagings(layout, job_id):
-        if _staged_manifest(staged) is not None:
-            return _publish(staged, job_id)
-    return None
-
-
-def _staged_manifest(layout: _Layout) -> tuple[str, str, dict[str, Any]] | None:
-    """(staged URI, final URI, document) of the manifest in this staging area, if it has one."""
-    for uri in layout.manifest_candidates():
-        candidate = layout.storage.join(layout.staging, uri[len(layout.parent) + 1 :])
-        doc = _read_json(layout.storage, candidate)
-        if doc is not None:
-            return candidate, uri, doc
-    return None
-
-
-def _holds(storage: Storage, uri: str, entry: dict[str, Any]) -> bool:
-    """True when ``uri`` exists and holds exactly the bytes the manifest entry describes."""
-    try:
-        if storage.stat(uri).size != entry["size"]:
-            return False
-    except ObjectNotFound:
-        return False
-    if entry.get("sha256") is not None:
-        return storage.sha256(uri) == entry["sha256"]
-    blocks = entry.get("sha256_blocks")
-    return blocks is not None and stored_digests(storage, uri, blocks["block_size"])[1] == blocks["sha256"]
-
-
-def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
-    """Move staged files to the target, the manifest last. Safe to run again after a crash.
-
-    Create-only: a final name that already exists is accepted only when it holds the staged bytes
-    (this job's interrupted publication); anything else fails with TargetExists and nothing is
-    replaced. A failure removes what this call placed, unless the attempt lost the job meanwhile
-    (its successor may already rely on those bytes).
-    """
-    storage = layout.storage
-    found = _staged_manifest(layout)
-    if found is None:
-        raise VerificationFailed("the staged output has no manifest; nothing was published")
-    staged_manifest, final_manifest, doc = found
-    placed: list[str] = []
-    try:
-        for f in doc["files"]:
-            staged = storage.join(layout.staging, f["path"])
-            if storage.exists(f["uri"]):
-                if not _holds(storage, f["uri"], f):
-                    raise TargetExists(f"{f['uri']} already exists and was not written by this job", uri=f["uri"])
-                with contextlib.suppress(ObjectNotFound):
-                    storage.delete(staged)
-                continue
-            if not storage.exists(staged):
-                raise VerificationFailed(f"staged file {f['path']} vanished before publication")
-            fence(job_id)
-            storage.publish([(staged, f["uri"])], overwrite=False)
-            placed.append(f["uri"])
-        fence(job_id)
-        storage.publish([(staged_manifest, final_manifest)], overwrite=False)
-    except LeaseLost:
-        raise
-    except BaseException:
-        if _unpublish(storage, placed, job_id):
-            _discard_after_failure(layout)
-        raise
-    _discard_job(layout, job_id)
-    return ConvertResult.from_manifest(final_manifest, doc)
-
-
-def _unpublish(storage: Storage, placed: list[str], job_id: str | None) -> bool:
-    """Remove the files a failed publication placed (never anything else), if this attempt still
-    owns the job; returns whether it does."""
-    try:
-        fence(job_id)
-    except LeaseLost:
-        return False
-    for uri in reversed(placed):
-        with contextlib.suppress(Exception):  # best effort: the original error is the one to report
-            storage.delete(uri)
-    return True

@@ -27,7 +27,6 @@ from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists
 from ckptconv.core.fencing import current_attempt, fence
 from ckptconv.core.uri import basename
 from ckptconv.engine.cs_yaml import read_cs_yaml
-from ckptconv.engine.run import attempt_staging, discard_staging
 from ckptconv.engine.simulator import config as cfg
 from ckptconv.engine.simulator.checkpoint_io import open_checkpoint, read_checkpoint, top_level_keys, write_checkpoint
 from ckptconv.engine.simulator.checkpoint_policy import (
@@ -41,6 +40,7 @@ from ckptconv.engine.simulator.checkpoint_policy import (
 from ckptconv.engine.simulator.loading import WRAPPER_PREFIX, check_release, load_model_state, read_metadata
 from ckptconv.engine.simulator.models import build_model
 from ckptconv.engine.simulator.optim import build_optimizer, build_schedulers
+from ckptconv.engine.staging import attempt_staging, discard_staging
 from ckptconv.storage import open_storage
 
 SIMULATED_RELEASE = "2.10.0"

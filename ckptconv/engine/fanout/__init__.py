@@ -1,0 +1,40 @@
+"""One conversion fanned out across several workers: parts cut by output bytes, one commit.
+
+Formats whose byte layout is known before any value is read (safetensors; Cerebras H5 with
+contiguous datasets, see :mod:`ckptconv.formats.layout`) can be written by several processes at
+once, each its own byte ranges. The flow (all of it inside the job's staging area, under the
+attempt that runs it, see :mod:`ckptconv.engine.run`):
+
+1. **prepare** (the job's own worker): build the plan and the layout of every output file: the sink
+   runs with every value that has a place in a file *reserved* and the rest (values, pickled
+   objects, 0-d tensors) written, which leaves each file's *gap* bytes (headers, H5 metadata). A
+   local file is created preallocated with its gaps in place; an S3 file gets a multipart upload.
+   The bytes of all files are cut into ``parallelism`` parts balanced by bytes (on S3 along the
+   upload's part grid, so each upload part has one writer), never by file or tensor names.
+   ``.fanout/layout.json`` records files, gaps, uploads and the parts' byte ranges.
+2. **parts** (any worker; the job's own worker runs the parts nobody claims): a part reads the
+   values whose spans meet its ranges (a value cut by a part boundary is read by both parts),
+   checks each against the hash of its source as read (the executor's xxh3 digests), writes its
+   bytes with positioned writes (a preallocated file) or as upload parts, and records
+   ``.fanout/part-NNNNN.json``: its ranges with the xxh3 of their bytes, the value digests, and
+   its upload parts' ETags. A part whose record exists is never run again; a part is deterministic
+   (same ranges, same bytes), so a redelivered or taken-over part rewrites identical bytes.
+3. **commit** (the job's worker, fenced by its attempt): read every part record *from storage*
+   (never from a task result), check their count and that their ranges tile every file, merge the
+   digests (two parts that computed one value must agree) and compare them with the source's;
+   complete the uploads (create-only), read each file once for its sha256 and the xxh3 of every
+   part's ranges, then stage the manifest and publish as a single-worker run does (the manifest
+   last). A commit run twice publishes once: the published manifest carries the job id.
+
+A failure or cancellation stops the parts, waits for them to let go, and removes the staging area
+with its incomplete multipart uploads: nothing reaches the target before the commit.
+"""
+
+from __future__ import annotations
+
+from ckptconv.engine.fanout.part import run_part
+from ckptconv.engine.fanout.run import FANOUT_FORMATS, run_fanout
+from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
+from ckptconv.engine.fanout.split import split_parts
+
+__all__ = ["FANOUT_FORMATS", "InlineRunner", "PartRunner", "run_fanout", "run_part", "split_parts"]

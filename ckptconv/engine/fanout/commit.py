@@ -1,0 +1,140 @@
+"""The commit of a fanned-out conversion: check the part records tile every file, merge digests, hash files."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import xxhash
+
+from ckptconv.core.errors import VerificationFailed
+from ckptconv.core.fencing import fence
+from ckptconv.engine.execute import ProgressReporter, VerifyReport, check_written, verify_output
+from ckptconv.engine.fanout.records import _part_uri, _read_doc
+from ckptconv.engine.plan import Plan
+from ckptconv.engine.run import stage_manifest
+from ckptconv.engine.staging import _Layout
+from ckptconv.formats import source_class
+from ckptconv.formats.base import OutputFile, TensorSource
+from ckptconv.formats.layout import FileLayout
+from ckptconv.storage.base import Storage
+from ckptconv.storage.part_upload import PartUpload, upload_buffer_bytes
+
+READ_BLOCK = 64 << 20  # the commit's reads: one buffer, reused
+
+
+def _commit(
+    plan: Plan,
+    src: TensorSource,
+    layout: _Layout,
+    doc: dict[str, Any],
+    *,
+    to: str,
+    job_id: str | None,
+    mode: str,
+    reporter: ProgressReporter,
+    timings: dict[str, float],
+    extras: dict[str, Any] | None,
+) -> None:
+    storage = layout.storage
+    t1 = time.monotonic()
+    records = []
+    for i, ranges in enumerate(doc["parts"]):
+        record = _read_doc(storage, _part_uri(layout, i))
+        if record is None:
+            raise VerificationFailed(f"part {i} of {len(doc['parts'])} has no record; nothing was published")
+        if [r[:3] for r in record["ranges"]] != ranges:
+            raise VerificationFailed(f"part {i} recorded other byte ranges than it was given")
+        records.append(record)
+    _check_tiling(doc)
+    digests, read_digests = dict(doc["digests"]), dict(doc["read_digests"])
+    conflicts = []
+    for record in records:
+        for key, d in record["digests"].items():
+            if digests.setdefault(key, d) != d:
+                conflicts.append(f"{key}: two parts wrote different values")
+        for key, d in record["read_digests"].items():
+            if read_digests.setdefault(key, d) != d:
+                conflicts.append(f"{key}: two parts read different values")
+    report: VerifyReport | None = None
+    if mode != "off":
+        reporter.stage("verifying", plan.tensors_total, plan.bytes_total)
+        report = check_written(plan, digests, read_digests)
+        report.mismatches[:0] = conflicts
+        report.ok = report.ok and not conflicts
+    outputs: list[OutputFile] = []
+    expected = {(fi, s, e): h for record in records for fi, s, e, h in record["ranges"]}
+    for fi, described in enumerate(doc["files"]):
+        f = FileLayout.from_dict(described)
+        if described["upload_id"] is not None:
+            parts = [p for record in records for p in record["uploaded"].get(str(fi), [])]
+            fence(job_id)
+            upload = PartUpload(
+                storage.backend(f.uri),
+                f.uri,
+                part_size=doc["part_size"],
+                upload_id=described["upload_id"],
+            )
+            upload.complete_parts(parts, f.size)
+        ranges = sorted((s, e) for (i, s, e) in expected if i == fi)
+        sha256, hashes = _hash_file(storage, f.uri, ranges)
+        bad = [r for r in ranges if hashes[r] != expected[(fi, *r)]]
+        if bad:
+            raise VerificationFailed(f"{f.uri}: bytes {bad[0][0]}..{bad[0][1]} differ from what their part wrote")
+        outputs.append(OutputFile(f.uri, f.size, sha256, "data"))
+    outputs += [OutputFile(uri, size, sha, role) for uri, size, sha, role in doc["side_files"]]
+    if mode == "full":
+        reopened = source_class(to)(storage, layout.sink_uri)
+        try:
+            report = verify_output(plan, digests, reopened, reporter=reporter)
+        finally:
+            reopened.close()
+    timings["verify_s"] = round(time.monotonic() - t1, 3)
+    # Each part's process uploads its ranges of an S3 target through a part upload of the grid's part size.
+    buffers = upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0
+    memory = plan.memory({e.key: e.nbytes for e in src.entries()}, writer_buffers=buffers)
+    facts = {"parallelism": len(doc["parts"]), **(extras or {})}
+    stage_manifest(
+        layout,
+        src,
+        to=to,
+        job_id=job_id,
+        plan=plan,
+        outputs=outputs,
+        report=report,
+        timings=timings,
+        memory=memory,
+        extras=facts,
+    )
+
+
+def _check_tiling(doc: dict[str, Any]) -> None:
+    """The parts' ranges cover every byte of every file exactly once."""
+    for fi, f in enumerate(doc["files"]):
+        ranges = sorted((s, e) for part in doc["parts"] for i, s, e in part if i == fi)
+        cursor = 0
+        for s, e in ranges:
+            if s != cursor:
+                raise VerificationFailed(f"{f['uri']}: the parts leave bytes {cursor}..{s} unwritten or overlap")
+            cursor = e
+        if cursor != f["size"]:
+            raise VerificationFailed(f"{f['uri']}: the parts stop at byte {cursor} of {f['size']}")
+
+
+def _hash_file(storage: Storage, uri: str, ranges: list[tuple[int, int]]) -> tuple[str, dict[tuple[int, int], str]]:
+    """One read of the file: its sha256 and the xxh3 of each of ``ranges`` (which tile it in order)."""
+    sha = hashlib.sha256()
+    out = {}
+    buf = memoryview(bytearray(min(READ_BLOCK, max((e - s for s, e in ranges), default=0))))
+    for s, e in ranges:
+        h = xxhash.xxh3_128()
+        pos = s
+        while pos < e:
+            block = buf[: min(len(buf), e - pos)]
+            storage.read_into(uri, pos, block)  # one block in several ranged GETs at once on S3
+            sha.update(block)
+            h.update(block)
+            pos += len(block)
+        out[(s, e)] = h.hexdigest()
+    return sha.hexdigest(), out

@@ -1,0 +1,209 @@
+"""One part of a fanned-out conversion: read the values its byte ranges meet, write those bytes, record them."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import xxhash
+
+from ckptconv.core.errors import Cancelled, TargetExists, VerificationFailed
+from ckptconv.core.fencing import fence
+from ckptconv.core.uri import normalize_uri
+from ckptconv.engine.execute import IDENTITY, CancelFn, check_produced, check_written, value_digest
+from ckptconv.engine.fanout.records import _doc_uri, _gaps_uri, _part_uri, _read_doc
+from ckptconv.engine.fanout.runner import PartRunner
+from ckptconv.engine.plan import Plan, Step
+from ckptconv.engine.prefetch import Prefetcher
+from ckptconv.engine.staging import _layout
+from ckptconv.formats.base import TensorSource
+from ckptconv.formats.layout import FileLayout, Span, value_bytes
+from ckptconv.storage import open_storage
+from ckptconv.storage.base import Storage
+from ckptconv.storage.local import LocalPatch
+from ckptconv.storage.part_upload import PartUpload
+
+
+def compute(step: Step, read: Callable[[str], Any]) -> Any:
+    """The value of one step from its inputs as ``read`` gives them."""
+    if not step.inputs:
+        return step.out.value
+    value = (step.transform or IDENTITY)([read(k) for k in step.inputs])
+    check_produced(step.out, value)
+    return value
+
+
+def _reading(src: TensorSource, read_digests: dict[str, str]) -> Callable[[str], Any]:
+    """Reads one source value at a time, recording its digest."""
+
+    def read(key: str) -> Any:
+        value = src.read(key)
+        read_digests[key] = value_digest(value)
+        return value
+
+    return read
+
+
+def _part_inputs(files: list[FileLayout], ranges: list[list[int]], steps: dict[str, Step]) -> list[str]:
+    """The source keys a part reads, in the order it reads them (see run_part's loop)."""
+    keys: list[str] = []
+    last = None
+    for fi, start, end in ranges:
+        for _, _, span, _ in _pieces(files[fi], start, end):
+            if span is not None and span.source != last:
+                keys += steps[span.source].inputs
+                last = span.source
+    return keys
+
+
+def _pieces(f: FileLayout, start: int, end: int) -> Iterator[tuple[int, int, Span | None, int]]:
+    """``(offset, length, span, at)`` covering ``[start, end)`` of ``f`` in order: ``span`` None is
+    a gap whose bytes start at ``at`` of the file's gap bytes; otherwise ``at`` is the offset in
+    the span's value."""
+    offsets = [s.offset for s in f.spans]
+    gap_at, gap_starts = 0, []
+    for gs, ge in f.gaps():
+        gap_starts.append((gs, ge, gap_at))
+        gap_at += ge - gs
+    pos = start
+    i = max(0, bisect.bisect_right(offsets, pos) - 1)
+    g = max(0, bisect.bisect_right([gs for gs, _, _ in gap_starts], pos) - 1)
+    while pos < end:
+        while i < len(f.spans) and f.spans[i].offset + f.spans[i].nbytes <= pos:
+            i += 1
+        if i < len(f.spans) and f.spans[i].offset <= pos:
+            s = f.spans[i]
+            n = min(end, s.offset + s.nbytes) - pos
+            yield pos, n, s, pos - s.offset
+        else:
+            while gap_starts[g][1] <= pos:
+                g += 1
+            gs, ge, at = gap_starts[g]
+            n = min(end, ge) - pos
+            yield pos, n, None, at + pos - gs
+        pos += n
+
+
+def run_part(
+    plan: Plan,
+    src: TensorSource,
+    *,
+    target: str,
+    index: int,
+    job_id: str | None,
+    staging: str | None = None,
+    cancelled: CancelFn | None = None,
+    runner: PartRunner | None = None,
+) -> bool:
+    """Write part ``index`` of a prepared fan-out and record it; False when it was recorded before."""
+    target = normalize_uri(target)
+    storage = open_storage(target)
+    layout = _layout(storage, target, staging, job_id)
+    doc = _read_doc(storage, _doc_uri(layout))
+    if doc is None:
+        raise VerificationFailed("the fan-out layout is missing from staging (the attempt was discarded)")
+    if storage.exists(_part_uri(layout, index)):
+        return False
+    files = [FileLayout.from_dict(f) for f in doc["files"]]
+    steps = {s.out.key: s for s in plan.steps}
+    gaps: dict[int, bytes] = {}
+    writers: dict[int, Any] = {}
+    digests: dict[str, str] = {}
+    read_digests: dict[str, str] = {}
+    recorded, tensors, written = [], 0, 0
+    current: tuple[str, memoryview, Any] | None = None
+    # Values are read ahead (as the executor reads them) while the previous one is written.
+    keys = _part_inputs(files, doc["parts"][index], steps)
+    sizes = {e.key: e.nbytes for e in src.entries()}
+
+    def hashed_as_read(key: str, value: Any) -> None:
+        read_digests[key] = value_digest(value)
+
+    fetcher = Prefetcher(
+        src,
+        keys,
+        sizes,
+        max((sizes.get(k, 0) for k in keys), default=0),
+        workers=src.read_parallelism,
+        on_read=hashed_as_read,
+    )
+
+    def read(key: str) -> Any:
+        value = fetcher.get(key)
+        fetcher.release(key)  # held by the step being computed only
+        return value
+
+    try:
+        for fi, start, end in doc["parts"][index]:
+            f = files[fi]
+            if fi not in gaps:
+                gaps[fi] = storage.read_all(_gaps_uri(layout, fi))
+                writers[fi] = _writer(storage, f, doc)
+            h = xxhash.xxh3_128()
+            for offset, n, span, at in _pieces(f, start, end):
+                if span is None:
+                    piece = memoryview(gaps[fi])[at : at + n]
+                else:
+                    if current is None or current[0] != span.source:
+                        if cancelled is not None and cancelled():
+                            raise Cancelled("cancelled by request; nothing was published")
+                        current = None  # drop the previous value before reading the next
+                        value = compute(steps[span.source], read)
+                        digests[span.source] = value_digest(value)
+                        current = (span.source, value_bytes(value), value)
+                        tensors += 1
+                    piece = current[1][at : at + n]
+                writers[fi].write_at(offset, piece)
+                h.update(piece)
+                written += n
+                if runner is not None:
+                    runner.report(index, tensors, written)
+            recorded.append([fi, start, end, h.hexdigest()])
+        current = None
+        uploaded = {}
+        for fi, w in writers.items():
+            if isinstance(w, PartUpload):
+                uploaded[str(fi)] = w.flush(files[fi].size)
+            else:
+                w.close(sync=True)
+    except BaseException:
+        for w in writers.values():
+            if isinstance(w, LocalPatch):
+                w.close(sync=False)
+        raise
+    finally:
+        fetcher.stop()
+    mismatches = check_written(_sub_plan(plan, digests), digests, read_digests).mismatches
+    if mismatches:
+        raise VerificationFailed(f"part {index}: " + "; ".join(mismatches[:5]), mismatches=mismatches[:50])
+    record = {
+        "index": index,
+        "ranges": recorded,
+        "uploaded": uploaded,
+        "digests": digests,
+        "read_digests": read_digests,
+    }
+    fence(job_id)  # a part of an attempt that lost the job records nothing
+    with contextlib.suppress(TargetExists):  # a duplicate that ran meanwhile wrote the same record
+        storage.write_bytes(_part_uri(layout, index), json.dumps(record).encode())
+    return True
+
+
+def _writer(storage: Storage, f: FileLayout, doc: dict[str, Any]) -> Any:
+    described = next(d for d in doc["files"] if d["uri"] == f.uri)
+    if described["upload_id"] is None:
+        return LocalPatch(f.uri)
+    return PartUpload(
+        storage.backend(f.uri),
+        f.uri,
+        part_size=doc["part_size"],
+        upload_id=described["upload_id"],
+    )
+
+
+def _sub_plan(plan: Plan, keys: dict[str, str]) -> Plan:
+    """The steps of ``plan`` whose outputs are in ``keys`` (what one part or the prepare wrote)."""
+    return Plan([s for s in plan.steps if s.out.key in keys], plan.spec)

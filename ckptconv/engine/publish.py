@@ -1,0 +1,174 @@
+"""Publication of a staged, verified output: every file moved to the target, the manifest last.
+
+Also the result of a run (:class:`ConvertResult`), which a published manifest reads back into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptconv.core.errors import (
+    LeaseLost,
+    ObjectNotFound,
+    TargetExists,
+    VerificationFailed,
+)
+from ckptconv.core.fencing import fence
+from ckptconv.engine.staging import _attempt_stagings, _discard_after_failure, _discard_job, _Layout, _read_json
+from ckptconv.formats.base import OutputFile
+from ckptconv.storage.base import Storage
+from ckptconv.storage.digests import stored_digests
+
+
+@dataclass
+class ConvertResult:
+    target: str
+    format: str
+    outputs: list[OutputFile]
+    manifest: str
+    job_id: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    verify: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    tensors: int = 0
+    bytes: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "format": self.format,
+            "job_id": self.job_id,
+            "outputs": [_file_facts(o) for o in self.outputs],
+            "manifest": self.manifest,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "warnings": list(self.warnings),
+            "verify": dict(self.verify),
+            "timings": dict(self.timings),
+            "source": dict(self.source),
+            **({"memory": dict(self.memory)} if self.memory else {}),
+            **({"extras": self.extras} if self.extras else {}),
+        }
+
+    @classmethod
+    def from_manifest(cls, manifest_uri: str, doc: dict[str, Any]) -> ConvertResult:
+        return cls(
+            target=doc["target"]["uri"],
+            format=doc["target"]["format"],
+            outputs=[
+                OutputFile(f["uri"], f["size"], f.get("sha256"), f.get("role", "data"), f.get("sha256_blocks"))
+                for f in doc["files"]
+            ],
+            manifest=manifest_uri,
+            job_id=doc.get("job_id"),
+            warnings=doc.get("warnings", []),
+            verify=doc.get("verify", {}),
+            timings=doc.get("timings", {}),
+            source=doc.get("source", {}),
+            memory=doc.get("memory", {}),
+            tensors=doc.get("tensors", 0),
+            bytes=doc.get("bytes", 0),
+            extras=doc.get("extras", {}),
+        )
+
+
+def _file_facts(o: OutputFile) -> dict[str, Any]:
+    facts = {"uri": o.uri, "size": o.size, "sha256": o.sha256, "role": o.role}
+    return {**facts, "sha256_blocks": o.blocks} if o.blocks else facts
+
+
+def _resume(layout: _Layout, job_id: str | None) -> ConvertResult | None:
+    """Idempotent redelivery: the finished result, or the publication of a staged one (any attempt's)."""
+    if job_id is None:
+        return None
+    storage = layout.storage
+    for uri in layout.manifest_candidates():
+        doc = _read_json(storage, uri)
+        if doc is not None and doc.get("job_id") == job_id:
+            _discard_job(layout, job_id)
+            return ConvertResult.from_manifest(uri, doc)
+    for staged in _attempt_stagings(layout, job_id):
+        if _staged_manifest(staged) is not None:
+            return _publish(staged, job_id)
+    return None
+
+
+def _staged_manifest(layout: _Layout) -> tuple[str, str, dict[str, Any]] | None:
+    """(staged URI, final URI, document) of the manifest in this staging area, if it has one."""
+    for uri in layout.manifest_candidates():
+        candidate = layout.storage.join(layout.staging, uri[len(layout.parent) + 1 :])
+        doc = _read_json(layout.storage, candidate)
+        if doc is not None:
+            return candidate, uri, doc
+    return None
+
+
+def _holds(storage: Storage, uri: str, entry: dict[str, Any]) -> bool:
+    """True when ``uri`` exists and holds exactly the bytes the manifest entry describes."""
+    try:
+        if storage.stat(uri).size != entry["size"]:
+            return False
+    except ObjectNotFound:
+        return False
+    if entry.get("sha256") is not None:
+        return storage.sha256(uri) == entry["sha256"]
+    blocks = entry.get("sha256_blocks")
+    return blocks is not None and stored_digests(storage, uri, blocks["block_size"])[1] == blocks["sha256"]
+
+
+def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
+    """Move staged files to the target, the manifest last. Safe to run again after a crash.
+
+    Create-only: a final name that already exists is accepted only when it holds the staged bytes
+    (this job's interrupted publication); anything else fails with TargetExists and nothing is
+    replaced. A failure removes what this call placed, unless the attempt lost the job meanwhile
+    (its successor may already rely on those bytes).
+    """
+    storage = layout.storage
+    found = _staged_manifest(layout)
+    if found is None:
+        raise VerificationFailed("the staged output has no manifest; nothing was published")
+    staged_manifest, final_manifest, doc = found
+    placed: list[str] = []
+    try:
+        for f in doc["files"]:
+            staged = storage.join(layout.staging, f["path"])
+            if storage.exists(f["uri"]):
+                if not _holds(storage, f["uri"], f):
+                    raise TargetExists(f"{f['uri']} already exists and was not written by this job", uri=f["uri"])
+                with contextlib.suppress(ObjectNotFound):
+                    storage.delete(staged)
+                continue
+            if not storage.exists(staged):
+                raise VerificationFailed(f"staged file {f['path']} vanished before publication")
+            fence(job_id)
+            storage.publish([(staged, f["uri"])], overwrite=False)
+            placed.append(f["uri"])
+        fence(job_id)
+        storage.publish([(staged_manifest, final_manifest)], overwrite=False)
+    except LeaseLost:
+        raise
+    except BaseException:
+        if _unpublish(storage, placed, job_id):
+            _discard_after_failure(layout)
+        raise
+    _discard_job(layout, job_id)
+    return ConvertResult.from_manifest(final_manifest, doc)
+
+
+def _unpublish(storage: Storage, placed: list[str], job_id: str | None) -> bool:
+    """Remove the files a failed publication placed (never anything else), if this attempt still
+    owns the job; returns whether it does."""
+    try:
+        fence(job_id)
+    except LeaseLost:
+        return False
+    for uri in reversed(placed):
+        with contextlib.suppress(Exception):  # best effort: the original error is the one to report
+            storage.delete(uri)
+    return True

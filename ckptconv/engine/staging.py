@@ -1,0 +1,127 @@
+"""The staging area of a run: where each attempt of a job writes before publication, and its removal."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ckptconv.core.bounded import load_json
+from ckptconv.core.errors import (
+    ObjectNotFound,
+)
+from ckptconv.core.fencing import current_attempt
+from ckptconv.core.uri import basename, normalize_uri
+from ckptconv.core.uri import parent as parent_of
+from ckptconv.storage import open_storage
+from ckptconv.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+STAGING_DIR = ".ckptconv-staging"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_SUFFIX = ".manifest.json"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a conversion writes: staging, the sink's URI inside it, and the final parent."""
+
+    storage: Storage
+    target: str  # final URI of the checkpoint (a file, a directory/prefix, or a TF prefix)
+    parent: str  # the target's parent; outputs keep their path relative to it
+    staging: str  # staging prefix (no trailing slash)
+
+    @property
+    def sink_uri(self) -> str:
+        return self.staging + "/" + basename(self.target)
+
+    def final(self, staged_uri: str) -> str:
+        rel = staged_uri[len(self.staging) + 1 :]
+        return self.storage.join(self.parent, rel)
+
+    def manifest_candidates(self) -> list[str]:
+        return [self.target + "/" + MANIFEST_NAME, self.target + MANIFEST_SUFFIX]
+
+
+def _layout(storage: Storage, target: str, staging: str | None, job_id: str | None) -> _Layout:
+    target = target.rstrip("/")
+    parent = parent_of(target)
+    if staging is None:
+        staging = attempt_staging(storage, parent, job_id)
+    return _Layout(storage, target, parent, staging.rstrip("/"))
+
+
+def attempt_staging(storage: Storage, parent: str, job_id: str | None) -> str:
+    """Where the attempt in scope of ``job_id`` stages beside ``parent`` (attempt 0 outside a worker)."""
+    attempt = current_attempt(job_id) if job_id else None
+    return storage.join(_job_staging(storage, parent, job_id), str(attempt.number if attempt else 0))
+
+
+def _job_staging(storage: Storage, parent: str, job_id: str | None) -> str:
+    """Where every attempt of one job stages (``<parent>/.ckptconv-staging/<job id>``)."""
+    return storage.join(parent, STAGING_DIR, job_id or uuid.uuid4().hex)
+
+
+def _attempt_stagings(layout: _Layout, job_id: str) -> list[_Layout]:
+    """The staging areas of this job's attempts that exist, the newest attempt first."""
+    root = _job_staging(layout.storage, layout.parent, job_id)
+    found: set[str] = set()
+    for info in layout.storage.list(root + "/"):
+        first = info.uri[len(root) + 1 :].split("/", 1)[0]
+        if first:
+            found.add(first)
+    order = sorted(found, key=lambda a: (not a.isdigit(), -int(a) if a.isdigit() else 0, a))
+    return [dataclasses.replace(layout, staging=layout.storage.join(root, a)) for a in order]
+
+
+def _discard(layout: _Layout, prefix: str | None = None) -> None:
+    """Delete the staging prefix (or ``prefix``, a job's staging root; on S3 with its incomplete
+    multipart uploads) and, locally, the temp files of writers that died mid-write and the
+    staging directories left empty."""
+    prefix = prefix or layout.staging
+    layout.storage.delete_prefix(prefix + "/")
+    local = layout.storage.local_path(prefix)
+    if local is not None:
+        shutil.rmtree(local, ignore_errors=True)
+        for d in (local, local.parent, local.parent.parent):
+            if d.name == STAGING_DIR or d == local or d.parent.name == STAGING_DIR:
+                try:
+                    d.rmdir()
+                except OSError:  # absent, or still used by another job: keep it
+                    pass
+
+
+def _discard_job(layout: _Layout, job_id: str | None) -> None:
+    """Delete the staging of every attempt of the job (after its publication, or for good)."""
+    _discard(layout, _job_staging(layout.storage, layout.parent, job_id) if job_id else None)
+
+
+def discard_staging(target: str, job_id: str, staging: str | None = None) -> None:
+    """Remove what a job (e.g. one whose worker died) left in its staging areas; idempotent."""
+    target = normalize_uri(target)
+    layout = _layout(open_storage(target), target, staging, job_id)
+    if staging is not None:
+        _discard(layout)
+    else:
+        _discard_job(layout, job_id)
+
+
+def _read_json(storage: Storage, uri: str) -> dict[str, Any] | None:
+    try:
+        return load_json(storage.read_all(uri), what=f"the manifest {uri}")
+    except ObjectNotFound:
+        return None
+
+
+def _discard_after_failure(layout: _Layout) -> None:
+    """Discard staging on a failure path; a failure to clean up (storage down past the retry
+    budget) is logged, never raised over the error being handled. A later attempt of the job,
+    or ``discard_staging``, removes what is left."""
+    try:
+        _discard(layout)
+    except Exception as e:
+        log.warning("could not discard the staging area %s: %s", layout.staging, e)
