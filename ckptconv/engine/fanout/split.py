@@ -54,6 +54,7 @@ def split_parts(
 
 def grid_part_size(total: int, parallelism: int) -> int:
     """An upload part size small enough for several units per part, within S3's limits."""
+    # Deferred: the S3 backend imports boto3, which a local fan-out never needs.
     from ckptconv.storage.s3 import MIN_PART_SIZE
 
     want = math.ceil(total / max(1, parallelism * MIN_UNITS_PER_PART))
