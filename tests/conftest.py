@@ -23,25 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port, wait_port
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +40,7 @@ def s3_server() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_port(port)
+        wait_port(port, 30.0)
         endpoint = f"http://127.0.0.1:{port}"
         saved = {k: os.environ.get(k) for k in _AWS_VARS}
         os.environ.update(
@@ -109,7 +94,7 @@ def redis_url() -> Iterator[str]:
         stdout=subprocess.DEVNULL,
     )
     try:
-        _wait_port(port)
+        wait_port(port, 30.0)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()

@@ -27,6 +27,7 @@ import boto3
 import pytest
 import redis
 
+from bench.ports import free_port
 from ckptconv.client import Client
 from ckptconv.core.auth import hash_key
 from ckptconv.core.errors import Forbidden, ObjectNotFound
@@ -42,14 +43,6 @@ FAST = {
     "CKPTCONV_WEBHOOK_BACKOFF_SECONDS": "0.2",
     "CKPTCONV_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true",
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -87,7 +80,7 @@ class Service:
     def start_api(self, **env: str) -> str:
         """An API process on this Redis prefix (so served by these workers), with settings overridden by
         ``env``; returns its URL once it answers."""
-        port = _free_port()
+        port = free_port()
         proc = self._spawn("api", ["serve", "--port", str(port), "--log-level", "warning"], env)
         url = f"http://127.0.0.1:{port}"
         try:

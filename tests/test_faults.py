@@ -415,10 +415,10 @@ class PrivateRedis:
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
-        from conftest import _wait_port
+        from conftest import wait_port
 
         proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
-        _wait_port(self.port)
+        wait_port(self.port, 30.0)
         return proc
 
     def restart(self) -> None:
