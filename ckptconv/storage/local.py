@@ -27,7 +27,14 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ckptconv.core.errors import CkptconvError, InvalidRequest, ObjectNotFound, StorageError, TargetExists
+from ckptconv.core.errors import (
+    CkptconvError,
+    InvalidRequest,
+    ObjectNotFound,
+    SinkProtocolError,
+    StorageError,
+    TargetExists,
+)
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import local_path_of
 from ckptconv.storage.base import ObjectInfo, Storage, Writer
@@ -169,7 +176,7 @@ class LocalWriter(Writer):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         if self._state != "open":
-            raise ValueError(f"write to a {self._state} writer for {self.uri}")
+            raise SinkProtocolError(f"write to a {self._state} writer for {self.uri}")
         with _os_errors(self.uri, reading=False):
             n = self._file.write(data)
         self._written += n
@@ -190,7 +197,7 @@ class LocalWriter(Writer):
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Place ``data`` at ``offset`` of the temp file (a positioned write; the stream position stays)."""
         if self._state != "open":
-            raise ValueError(f"write to a {self._state} writer for {self.uri}")
+            raise SinkProtocolError(f"write to a {self._state} writer for {self.uri}")
         with _os_errors(self.uri, reading=False):
             self._file.flush()
             pwrite_all(self._file.fileno(), memoryview(data), offset)
@@ -200,7 +207,7 @@ class LocalWriter(Writer):
             assert self._info is not None
             return self._info
         if self._state != "open":
-            raise ValueError(f"commit of an aborted writer for {self.uri}")
+            raise SinkProtocolError(f"commit of an aborted writer for {self.uri}")
         try:
             with _os_errors(self.uri, reading=False):
                 self._file.flush()

@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.core.errors import StorageError
+from ckptconv.core.errors import SinkProtocolError, StorageError
 from ckptconv.storage.base import ObjectInfo, Storage, Writer
 from ckptconv.storage.digests import BlockHasher
 
@@ -123,7 +123,7 @@ class PartUpload:
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Place ``data`` at ``offset``; every byte of the object must be written exactly once."""
         if self._state != "open":
-            raise ValueError(f"write to a {self._state} upload of {self.uri}")
+            raise SinkProtocolError(f"write to a {self._state} upload of {self.uri}")
         view = memoryview(data).cast("B")
         pos = 0
         while pos < len(view):
@@ -131,7 +131,7 @@ class PartUpload:
             start, end = self.part_bounds(number)
             take = min(end - (offset + pos), len(view) - pos)
             if number in self._sent:
-                raise ValueError(f"{self.uri}: bytes at {offset + pos} written twice")
+                raise SinkProtocolError(f"{self.uri}: bytes at {offset + pos} written twice")
             buf, filled = self._open.get(number) or (bytearray(end - start), 0)
             at = offset + pos - start
             buf[at : at + take] = view[pos : pos + take]
@@ -188,7 +188,7 @@ class PartUpload:
     def complete(self, size: int) -> ObjectInfo:
         """Send the last part and complete the upload of an object of ``size`` bytes."""
         if self._state != "open":
-            raise ValueError(f"complete of a {self._state} upload of {self.uri}")
+            raise SinkProtocolError(f"complete of a {self._state} upload of {self.uri}")
         try:
             last = self.part_of(size - 1)
             start, _ = self.part_bounds(last)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.core.errors import StorageError
+from ckptconv.core.errors import SinkProtocolError, StorageError
 from ckptconv.storage.base import ObjectInfo, Writer
 from ckptconv.storage.s3.client import clean_etag
 
@@ -89,7 +89,7 @@ class S3Writer(Writer):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         if self._state != "open":
-            raise ValueError(f"write to a {self._state} writer for {self.uri}")
+            raise SinkProtocolError(f"write to a {self._state} writer for {self.uri}")
         view = memoryview(data).cast("B")
         pos, n = 0, len(view)
         # Copy at most one part's worth at a time: a huge write never doubles in memory.
@@ -152,7 +152,7 @@ class S3Writer(Writer):
             assert self._info is not None
             return self._info
         if self._state != "open":
-            raise ValueError(f"commit of an aborted writer for {self.uri}")
+            raise SinkProtocolError(f"commit of an aborted writer for {self.uri}")
         try:
             etag = self._put_whole() if self._upload_id is None else self._complete()
         except BaseException:
