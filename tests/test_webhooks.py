@@ -9,6 +9,7 @@ it stands for a DNS server whose answers change, which a test cannot otherwise c
 from __future__ import annotations
 
 import http.server
+import json
 import socket
 import threading
 import uuid
@@ -26,9 +27,10 @@ from test_e2e_service import Service, wait_for
 
 from ckptconv.core.auth import create_key
 from ckptconv.core.errors import WebhookRefused
+from ckptconv.core.job_records import job_resource, new_record
 from ckptconv.core.jobstore import RedisKeys
 from ckptconv.core.settings import Settings
-from ckptconv.core.webhooks import Unresolvable, post, resolve_destination
+from ckptconv.core.webhooks import Unresolvable, delivery_error, post, resolve_destination
 from service.app import create_app
 
 SECRET = "whsec_dGVzdC1vbmx5LXNlY3JldC1mb3Itd2ViaG9va3M="
@@ -98,6 +100,10 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def _no_dns(*args: Any, **kwargs: Any) -> list[Any]:
+    raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+
 def _receiver(port: int = 0, statuses: list[int] | None = None) -> http.server.ThreadingHTTPServer:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Receiver)
     server.seen, server.statuses = [], list(statuses or [])  # type: ignore[attr-defined]
@@ -121,11 +127,8 @@ def test_delivery_rechecks_the_name_and_connects_to_the_address_it_checked() -> 
         server.shutdown()
         server.server_close()
 
-    def no_dns(*args: Any, **kwargs: Any) -> list[Any]:
-        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
-
     with pytest.raises(Unresolvable):  # transient: the worker retries it
-        resolve_destination(url, allow_private=False, getaddrinfo=no_dns)
+        resolve_destination(url, allow_private=False, getaddrinfo=_no_dns)
     with pytest.raises(WebhookRefused):
         resolve_destination("file:///etc/passwd", allow_private=True)
     # Every address counts: one private address among public ones refuses the name.
@@ -158,7 +161,8 @@ def test_a_worker_retries_connect_errors_and_5xx_until_delivered(redis_url: str,
             return httpx.get(f"{svc.url}/v1/jobs/{job['id']}", headers=auth).json()["webhook"]
 
         first = wait_for(lambda: (h := hook())["attempts"] >= 1 and h)
-        assert first["delivered_at"] is None and "Connect" in first["last_error"]
+        # A typed reason, never the exception text (which names the address and port it tried).
+        assert first["delivered_at"] is None and first["last_error"] == "connect_error"
         server = _receiver(port, statuses=[503])  # up now, and failing once more
         done = wait_for(lambda: (h := hook())["delivered_at"] and h)
         assert done["last_status"] == 204 and done["attempts"] >= 3
@@ -168,3 +172,48 @@ def test_a_worker_retries_connect_errors_and_5xx_until_delivered(redis_url: str,
             server.shutdown()
             server.server_close()
         svc.stop()
+
+
+def _attempt(url: str, *, allow_private: bool = True, **kwargs: Any) -> tuple[str | None, str]:
+    """One real delivery attempt: its code and the exception text the code stands for."""
+    try:
+        status, failure = post(url, b"{}", {}, timeout=0.5, allow_private=allow_private, **kwargs), None
+    except (WebhookRefused, Unresolvable, httpx.HTTPError) as e:
+        status, failure = None, e
+    return delivery_error(failure, status), str(failure)
+
+
+def test_a_failed_attempt_is_typed_and_the_owner_never_sees_exception_text() -> None:
+    closed = free_port()
+    code, text = _attempt(f"http://127.0.0.1:{closed}/hook")
+    assert code == "connect_error" and text  # the text (address, errno) stays in the worker's log
+    assert _attempt(f"http://127.0.0.1:{closed}/hook", allow_private=False)[0] == "refused"
+
+    assert _attempt("http://hooks.example.test/", getaddrinfo=_no_dns)[0] == "unresolvable"
+    silent = socket.socket()  # accepts the connection, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    try:
+        assert _attempt(f"http://127.0.0.1:{silent.getsockname()[1]}/hook")[0] == "timeout"
+    finally:
+        silent.close()
+    server = _receiver(statuses=[503])
+    port = server.server_port
+    try:
+        assert _attempt(f"http://127.0.0.1:{port}/hook")[0] == "http_status"
+        assert _attempt(f"http://127.0.0.1:{port}/hook")[0] is None  # 204: delivered
+    finally:
+        server.shutdown()
+        server.server_close()
+    # A record written before the codes existed held exception text: the view shows a code.
+    rec = new_record(
+        "j1",
+        owner="o",
+        kind="convert",
+        request={"source": {}, "max_runtime_seconds": 60, "webhook": {"url": "https://hooks.example.test/"}},
+        webhook_secret=None,
+        created=0,
+        scopes=None,
+    )
+    rec["webhook_delivery"] = json.dumps({"attempts": 1, "last_error": "ConnectError: [Errno 111] 10.1.2.3:443"})
+    assert job_resource(rec)["webhook"]["last_error"] == "transport_error"

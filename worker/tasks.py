@@ -405,8 +405,7 @@ def deliver_webhook(self: Any, job_id: str) -> None:
         "user-agent": f"ckptconv/{__version__}",
     }
     status: int | None = None
-    error: str | None = None
-    final = False
+    failure: BaseException | None = None
     try:
         status = webhooks.post(
             hook["url"],
@@ -415,20 +414,20 @@ def deliver_webhook(self: Any, job_id: str) -> None:
             timeout=s.webhook_timeout_seconds,
             allow_private=s.webhook_allow_private_networks,
         )
-        if not 200 <= status < 300:
-            error = f"HTTP {status}"
-    except WebhookRefused as e:
-        error, final = str(e), True
-    except (webhooks.Unresolvable, httpx.HTTPError) as e:  # DNS, connect errors, timeouts: retried
-        error = f"{type(e).__name__}: {e}"
+    except (WebhookRefused, webhooks.Unresolvable, httpx.HTTPError) as e:  # refused: final; the rest retried
+        failure = e
+    # The job's owner sees a typed reason; the exception text (addresses, endpoints) stays in this log.
+    error = webhooks.delivery_error(failure, status)
     delivery = {"attempts": attempt, "last_status": status, "last_error": error}
     if error is None:
         delivery["delivered_ms"] = now_ms()
     st.set_fields(job_id, {"webhook_delivery": delivery})
     if error is None:
         return
-    if final or status == 410 or attempt >= s.webhook_max_attempts:
-        log.warning("job %s: giving up on webhook %s after %d attempts: %s", job_id, hook["url"], attempt, error)
+    detail = f"{type(failure).__name__}: {failure}" if failure is not None else f"HTTP {status}"
+    if isinstance(failure, WebhookRefused) or status == 410 or attempt >= s.webhook_max_attempts:
+        log.warning("job %s: giving up on webhook %s after %d attempts: %s", job_id, hook["url"], attempt, detail)
         return
+    log.info("job %s: webhook attempt %d failed (%s): %s", job_id, attempt, error, detail)
     countdown = min(3600.0, s.webhook_backoff_seconds * 2 ** (attempt - 1)) * (1 + random.random() / 4)
     raise self.retry(countdown=countdown)

@@ -14,6 +14,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from ckptconv.core.webhooks import DELIVERY_ERRORS
+
 STATES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 EVENTS_MAXLEN = 500
@@ -86,13 +88,20 @@ def job_resource(rec: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def _known_delivery_error(error: Any, status: Any) -> str | None:
+    if error is None or error in DELIVERY_ERRORS:
+        return error
+    return "http_status" if status is not None else "transport_error"
+
+
 def _webhook_view(webhook: dict[str, Any], delivery: dict[str, Any] | None) -> dict[str, Any]:
     delivery = delivery or {}
     return {
         "url": webhook["url"],
         "attempts": int(delivery.get("attempts", 0)),
         "last_status": delivery.get("last_status"),
-        "last_error": delivery.get("last_error"),
+        # Only a known code is shown: a record written before the codes held exception text.
+        "last_error": _known_delivery_error(delivery.get("last_error"), delivery.get("last_status")),
         "delivered_at": iso(delivery.get("delivered_ms")),
     }
 

@@ -170,6 +170,29 @@ def post(
     return response.status_code
 
 
+# Why the last delivery attempt failed, as the job's owner reads it (``webhook.last_error``): one
+# of these codes, never exception text, addresses or endpoint details (those go to the worker's log).
+DELIVERY_ERRORS = ("http_status", "refused", "unresolvable", "timeout", "connect_error", "transport_error")
+
+
+def delivery_error(exc: BaseException | None, status: int | None) -> str | None:
+    """The code of a failed attempt (``None`` for a 2xx answer): ``http_status`` for any other
+    answer (its status is ``last_status``), else the kind of ``exc``."""
+    import httpx
+
+    if exc is None:
+        return None if status is not None and 200 <= status < 300 else "http_status"
+    if isinstance(exc, WebhookRefused):
+        return "refused"
+    if isinstance(exc, Unresolvable):
+        return "unresolvable"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.ConnectError):
+        return "connect_error"
+    return "transport_error"
+
+
 async def check_at_submit(url: str, allow_private: bool) -> None:
     """The API's check of a new job's webhook: every address of its host must be public.
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from ckptconv.core.job_records import STATES
+from ckptconv.core.webhooks import DELIVERY_ERRORS
 from ckptconv.jobs.kinds import KINDS, JobKind
 from service.schemas.common import Problem, SourceRef, StrictModel, TargetRef
 
@@ -127,7 +128,10 @@ class WebhookOut(BaseModel):
     url: str
     attempts: int = Field(description="delivery attempts so far")
     last_status: int | None = Field(description="HTTP status of the last attempt")
-    last_error: str | None
+    last_error: Literal[DELIVERY_ERRORS] | None = Field(  # type: ignore[valid-type]
+        description="why the last attempt failed: http_status (see last_status), refused (the destination "
+        "is not allowed), unresolvable, timeout, connect_error or transport_error; null once delivered"
+    )
     delivered_at: datetime | None
 
 
