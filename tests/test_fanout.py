@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from ckptconv.core.errors import Cancelled, InvalidRequest
 from ckptconv.engine.convert import convert, convert_part
-from ckptconv.engine.fanout import split_parts
+from ckptconv.engine.fanout import AutoParallelism, resolve_parallelism, split_parts
 from ckptconv.engine.plan import identity_plan
 from ckptconv.engine.run import run_plan
 from ckptconv.formats.detect import open_source
@@ -177,6 +177,23 @@ def test_a_cancelled_fan_out_leaves_no_file_and_no_upload(tmp_path: Path, s3_buc
         convert(source, target, to="cs-h5", parallelism=2, job_id="cancel", cancelled=cancelled)
     assert list(open_storage(target).list(f"s3://{s3_bucket}/")) == []
     assert _uploads(s3_bucket) == []
+
+
+def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
+    assert resolve_parallelism(5, 1, "safetensors") == 5  # a number is taken as given
+    assert resolve_parallelism("auto", 1, "safetensors") == 1
+    assert resolve_parallelism("auto", (2 << 30) + 1, "cs-h5") == 2  # one part per 2 GiB by default
+    assert resolve_parallelism("auto", 1 << 50, "cs-h5") == 16  # capped by the setting's default
+    assert resolve_parallelism("auto", 1 << 50, "cs-h5", AutoParallelism(1, 1000)) == 256  # and by 256
+    assert resolve_parallelism("auto", 1 << 50, "cs-s3") == 1  # a format that cannot fan out: 1, no error
+    source = _source(tmp_path, "safetensors")  # about 14 MiB of output: 3 parts of 5 MiB
+    expected = _single(source, str(tmp_path / "one" / "m.safetensors"), "safetensors")
+    auto = AutoParallelism(part_bytes=5 * MiB, max_parts=8)
+    result = convert(source, str(tmp_path / "auto" / "m.safetensors"), parallelism="auto", auto_parallelism=auto)
+    assert result.extras["parallelism"] == 3
+    assert [o.sha256 for o in result.outputs] == expected
+    one = convert(source, str(tmp_path / "cs" / "m"), to="cs-s3", parallelism="auto", auto_parallelism=auto)
+    assert "parallelism" not in one.extras
 
 
 def test_formats_without_a_known_layout_refuse_parallelism(tmp_path: Path) -> None:

@@ -70,7 +70,9 @@ def _pid(token: str | None) -> int | None:
 @pytest.fixture(scope="module")
 def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     tmp = tmp_path_factory.mktemp("fanout")
-    svc = Service(redis_url, bucket, tmp, prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"])
+    # parallelism "auto": one part per 8 MiB of output here (2 GiB by default).
+    auto = {"CKPTCONV_AUTO_PARALLELISM_PART_BYTES": str(8 << 20), "CKPTCONV_AUTO_PARALLELISM_MAX": "3"}
+    svc = Service(redis_url, bucket, tmp, prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"], env=auto)
     try:
         svc.start_worker()
         svc.start_worker()
@@ -95,6 +97,23 @@ def test_two_workers_commit_the_single_worker_bytes(service: Service, to: str, n
     assert job["progress"]["stage"] == "done"
     assert "ckptconv.run_part[" in _logs(service)
     assert not listing(b, "team/.ckptconv-staging") and _uploads(b) == []
+
+
+def test_auto_parallelism_follows_the_output_size_and_the_settings_cap(service: Service) -> None:
+    b = service.bucket
+    _checkpoint(b, "team/fan-auto/model.safetensors", 24, (512, 512))  # 24 MiB: 4 parts of 8 MiB, capped at 3
+    source = f"s3://{b}/team/fan-auto/model.safetensors"
+    with service.client() as c:
+        job = c.submit(source, f"{service.tmp}/out/fan-auto/x", to="safetensors", options={"parallelism": "auto"})
+        job = c.wait(job["id"], timeout=300)
+        assert job["state"] == "succeeded", job.get("error")
+        assert job["result"]["extras"]["parallelism"] == 3
+        assert _sha256s(job) == _single_worker_sha256(source, f"{service.tmp}/out/fan-auto/one", "safetensors")
+        # A format that cannot be split: auto runs it as one part, not an error.
+        job = c.submit(source, f"{service.tmp}/out/fan-auto/tf/ckpt", to="tf", options={"parallelism": "auto"})
+        job = c.wait(job["id"], timeout=300)
+    assert job["state"] == "succeeded", job.get("error")
+    assert "parallelism" not in (job["result"].get("extras") or {})
 
 
 def _slow_service(redis_url: str, bucket: str, s3_server: str, tmp: Path, proxy) -> Service:

@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(default=10.0, gt=0)
     # A job whose worker died this many times fails (worker_lost) instead of being run again.
     max_attempts: int = Field(default=3, ge=1)
+    # A job with ``parallelism: "auto"`` is cut into one part per this many output bytes, at most
+    # ``auto_parallelism_max`` parts (see ckptconv.engine.fanout.auto).
+    auto_parallelism_part_bytes: int = Field(default=2 << 30, ge=1 << 20)
+    auto_parallelism_max: int = Field(default=16, ge=1, le=256)
     # Every worker looks for jobs with neither a live owner nor a message this often (worker/reaper.py).
     reaper_interval_seconds: float = Field(default=30.0, gt=0)
 

@@ -16,7 +16,7 @@ from typing import Any
 from ckptconv.core.errors import CkptconvError, InvalidRequest, KeyCollision, UnsupportedValue
 from ckptconv.core.sizes import parse_size
 from ckptconv.engine.execute import Progress
-from ckptconv.engine.fanout import PartRunner, run_fanout, run_part
+from ckptconv.engine.fanout import AutoParallelism, PartRunner, resolve_parallelism, run_fanout, run_part
 from ckptconv.engine.plan import Plan, identity_plan
 from ckptconv.engine.run import ConvertResult, jsonable, run_plan, source_facts, writer_buffer_bytes
 from ckptconv.formats import sink_class
@@ -96,8 +96,9 @@ def convert(
     allow_incomplete: bool | None = None,
     shard_by: list[str] | None = None,
     memory_budget: int | str | None = None,
-    parallelism: int = 1,
+    parallelism: int | str = 1,
     parts: PartRunner | None = None,
+    auto_parallelism: AutoParallelism | None = None,
 ) -> ConvertResult:
     """Container conversion: every entry of ``source`` written to ``target`` in format ``to``.
 
@@ -105,7 +106,8 @@ def convert(
     that order (a tensor goes to the first pattern it matches), the rest in a last file.
     ``parallelism`` > 1 cuts the output into that many parts by bytes (safetensors and cs-h5
     targets; see :mod:`ckptconv.engine.fanout`), which ``parts`` hands out to workers (default:
-    all of them in this process, one after another).
+    all of them in this process, one after another); ``"auto"`` picks the count from the output's
+    size (``auto_parallelism``, see :func:`~ckptconv.engine.fanout.resolve_parallelism`).
     """
     to = to or target_format_from_name(target)
     if to is None:
@@ -126,8 +128,9 @@ def convert(
             "job_id": job_id,
             "verify": verify,
         }
-        if parallelism > 1:
-            result = run_fanout(plan, src, parallelism=parallelism, runner=parts, **common)
+        count = resolve_parallelism(parallelism, plan.bytes_total, to, auto_parallelism)
+        if count > 1:
+            result = run_fanout(plan, src, parallelism=count, runner=parts, **common)
         else:
             result = run_plan(plan, src, memory_budget=memory_budget, **common)
     finally:

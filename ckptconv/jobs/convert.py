@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.errors import CkptconvError
+from ckptconv.core.settings import get_settings
 from ckptconv.engine.convert import convert, convert_part, plan_conversion
+from ckptconv.engine.fanout import AutoParallelism
 from ckptconv.engine.run import discard_staging
 from ckptconv.jobs import JobContext
 
@@ -28,8 +30,17 @@ def run(ctx: JobContext) -> dict[str, Any]:
         job_id=ctx.job_id,
         parallelism=ctx.options.parallelism,
         parts=ctx.parts,
+        auto_parallelism=auto_parallelism(ctx.options.parallelism),
     )
     return result.to_dict()
+
+
+def auto_parallelism(parallelism: int | str) -> AutoParallelism | None:
+    """The deployment's limits for ``parallelism: "auto"`` (settings are read only then)."""
+    if parallelism != "auto":
+        return None
+    s = get_settings()
+    return AutoParallelism(s.auto_parallelism_part_bytes, s.auto_parallelism_max)
 
 
 def run_part(ctx: JobContext, index: int) -> None:

@@ -17,6 +17,7 @@ from ckptconv.engine.layouts.api import (
 )
 from ckptconv.engine.run import discard_staging
 from ckptconv.jobs import JobContext
+from ckptconv.jobs.convert import auto_parallelism
 from ckptconv.storage import is_local, local_path_of
 
 
@@ -64,7 +65,11 @@ def _job_arguments(ctx: JobContext) -> dict[str, Any]:
 
 def run(ctx: JobContext) -> dict[str, Any]:
     result = convert_model(
-        ctx.source["uri"], progress=ctx.progress, parallelism=ctx.options.parallelism, **_job_arguments(ctx)
+        ctx.source["uri"],
+        progress=ctx.progress,
+        parallelism=ctx.options.parallelism,
+        auto_parallelism=auto_parallelism(ctx.options.parallelism),
+        **_job_arguments(ctx),
     )
     doc = result.to_dict()
     if ctx.options.verify:

@@ -114,13 +114,14 @@ def _is_uri_field(annotation: Any, metadata: list[Any]) -> bool:
 
 MAX_PARALLELISM = 256  # parts of one job; each is a message, a lease and a record in staging
 Parallelism = Annotated[
-    int,
+    Annotated[int, Field(ge=1, le=MAX_PARALLELISM)] | Literal["auto"],
     Field(
-        ge=1,
-        le=MAX_PARALLELISM,
         description="split the conversion into this many parts, balanced by output bytes, run by as many workers"
         " and committed together (safetensors and cs-h5 targets; a cs-h5 output is then written contiguous,"
-        " uncompressed). The output is byte for byte the single-worker output",
+        " uncompressed). The output is byte for byte the single-worker output. auto: one part per"
+        " CKPTCONV_AUTO_PARALLELISM_PART_BYTES of output (2 GiB), at most CKPTCONV_AUTO_PARALLELISM_MAX (16);"
+        " 1 for a target format that cannot be split",
+        examples=[4, "auto"],
     ),
 ]
 

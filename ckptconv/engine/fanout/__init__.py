@@ -32,9 +32,19 @@ with its incomplete multipart uploads: nothing reaches the target before the com
 
 from __future__ import annotations
 
+from ckptconv.engine.fanout.auto import AutoParallelism, resolve_parallelism
 from ckptconv.engine.fanout.part import run_part
 from ckptconv.engine.fanout.run import FANOUT_FORMATS, run_fanout
 from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
 from ckptconv.engine.fanout.split import split_parts
 
-__all__ = ["FANOUT_FORMATS", "InlineRunner", "PartRunner", "run_fanout", "run_part", "split_parts"]
+__all__ = [
+    "FANOUT_FORMATS",
+    "AutoParallelism",
+    "InlineRunner",
+    "PartRunner",
+    "resolve_parallelism",
+    "run_fanout",
+    "run_part",
+    "split_parts",
+]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.core.uri import basename, normalize_uri, parent
 from ckptconv.engine.cs_yaml import dump_cs_yaml
-from ckptconv.engine.fanout import run_fanout, run_part
+from ckptconv.engine.fanout import AutoParallelism, resolve_parallelism, run_fanout, run_part
 from ckptconv.engine.layouts import upgrades
 from ckptconv.engine.layouts.config_files import dump_hf_json, find_hf_config, load_config
 from ckptconv.engine.layouts.config_plan import ConfigResult
@@ -281,15 +281,17 @@ def convert_model(
     cancelled: Callable[[], bool] | None = None,
     job_id: str | None = None,
     staging: str | None = None,
-    parallelism: int = 1,
+    parallelism: int | str = 1,
     parts: Any = None,
+    auto_parallelism: AutoParallelism | None = None,
 ) -> ConvertResult:
     """Convert a checkpoint between model layouts; ``dst`` is the output directory (default:
     beside the input). Returns the engine's ConvertResult (outputs, manifest, warnings).
 
     ``parallelism`` > 1 fans the conversion out (see :mod:`ckptconv.engine.fanout`; ``parts``
-    hands the parts to workers); not for composite models, whose output spans several formats'
-    directories."""
+    hands the parts to workers; ``"auto"``: by the output's size, see
+    :func:`~ckptconv.engine.fanout.resolve_parallelism`); not for composite models, whose output
+    spans several formats' directories (``"auto"`` picks 1 for them)."""
 
     source, _ = _open(src, model, src_fmt)
     try:
@@ -318,10 +320,12 @@ def convert_model(
             "verify": verify,
             "extras": out.extras,
         }
-        if parallelism > 1:
+        count = 1 if parallelism == "auto" and out.sink_factory is not None else parallelism
+        count = resolve_parallelism(count, out.plan.bytes_total, out.to, auto_parallelism)
+        if count > 1:
             if out.sink_factory is not None:
                 raise InvalidRequest(f"{model} writes several model directories: parallelism must be 1")
-            result = run_fanout(out.plan, source, parallelism=parallelism, runner=parts, **common)
+            result = run_fanout(out.plan, source, parallelism=count, runner=parts, **common)
         else:
             result = run_plan(out.plan, source, sink_factory=out.sink_factory, reopen=out.reopen, **common)
         for w in out.plan.warnings:
