@@ -47,6 +47,8 @@ REFUSED = [
     "http://[::ffff:127.0.0.1]/hook",
     "http://2130706433/hook",  # 127.0.0.1 written as one number
     "http://nonexistent.invalid/hook",  # a name that does not exist
+    "http://[::1/hook",  # URLs the standard library cannot split: refused, never a 500
+    "http://[not-an-address]/hook",
 ]
 
 

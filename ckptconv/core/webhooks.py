@@ -99,7 +99,10 @@ class Destination:
 
 def parse_destination(url: str) -> tuple[str, str, int]:
     """(scheme, host, port) of a webhook URL; :class:`WebhookRefused` unless it is http(s) with a host."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)  # ValueError: an unclosed or invalid [IPv6] host, NFKC tricks in the netloc
+    except ValueError:
+        raise WebhookRefused(f"not a valid URL: {url}") from None
     try:
         port = parts.port
     except ValueError:
