@@ -32,6 +32,7 @@ from ckptconv.core.jobstore import RedisKeys
 from ckptconv.core.settings import Settings
 from ckptconv.core.webhooks import Unresolvable, delivery_error, post, resolve_destination
 from service.app import create_app
+from service.queue import TaskMessages
 
 SECRET = "whsec_dGVzdC1vbmx5LXNlY3JldC1mb3Itd2ViaG9va3M="
 REFUSED = [
@@ -219,3 +220,43 @@ def test_a_failed_attempt_is_typed_and_the_owner_never_sees_exception_text() -> 
     )
     rec["webhook_delivery"] = json.dumps({"attempts": 1, "last_error": "ConnectError: [Errno 111] 10.1.2.3:443"})
     assert job_resource(rec)["webhook"]["last_error"] == "transport_error"
+
+
+def test_a_redelivered_webhook_message_never_goes_past_the_attempt_budget(
+    redis_url: str, s3_server: str, tmp_path: Path
+) -> None:
+    """A delivery message can come twice (a retry whose countdown outlasts the broker's visibility
+    timeout is handed out again): every copy stops at CKPTCONV_WEBHOOK_MAX_ATTEMPTS, counted on the
+    job, and nothing is POSTed after the worker gave up."""
+    server = _receiver(statuses=[503] * 50)  # fails every time
+    svc = Service(redis_url, f"wh-{uuid.uuid4().hex[:8]}", tmp_path, env={"CKPTCONV_WEBHOOK_MAX_ATTEMPTS": "2"})
+    auth = {"Authorization": f"Bearer {svc.key}"}
+    try:
+        worker = svc.start_worker()
+        body = {
+            "kind": "convert",
+            "source": {"uri": f"s3://{svc.bucket}/team/in.safetensors"},
+            "target": {"uri": f"s3://{svc.bucket}/team/out/model.mdl", "format": "cs-h5"},
+            "webhook": {"url": f"http://127.0.0.1:{server.server_port}/hook", "secret": SECRET},
+        }
+        job = httpx.post(svc.url + "/v1/jobs", json=body, headers=auth).raise_for_status().json()
+        httpx.post(f"{svc.url}/v1/jobs/{job['id']}/cancel", headers=auth)  # ended either way: the hook fires
+
+        def handled() -> int:  # deliver_webhook messages the worker finished with (retries are not counted)
+            log = Path(worker.log_path).read_text()  # type: ignore[attr-defined]
+            return sum("ckptconv.deliver_webhook[" in line and "succeeded in" in line for line in log.splitlines())
+
+        wait_for(handled)
+        assert len(server.seen) == 2  # type: ignore[attr-defined]
+        # The broker hands the delivery out again, twice.
+        message = TaskMessages(RedisKeys(svc.prefix)).render(
+            "ckptconv.deliver_webhook", [job["id"]], queue="interactive"
+        )
+        svc.redis.lpush(f"{svc.prefix}q:interactive", message, message)
+        wait_for(lambda: handled() >= 3)
+        hook = httpx.get(f"{svc.url}/v1/jobs/{job['id']}", headers=auth).json()["webhook"]
+        assert len(server.seen) == 2 and hook["attempts"] == 2, (server.seen, hook)  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+        svc.stop()

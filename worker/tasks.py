@@ -391,9 +391,11 @@ def deliver_webhook(self: Any, job_id: str) -> None:
         return
     hook = json.loads(rec["request"]).get("webhook")
     delivery = json.loads(rec.get("webhook_delivery") or "{}")
-    if not hook or delivery.get("delivered_ms"):
-        return  # a duplicate of a delivered event
+    if not hook or delivery.get("delivered_ms") or delivery.get("gave_up"):
+        return  # a duplicate of a delivered (or abandoned) event
     attempt = int(delivery.get("attempts", 0)) + 1
+    if attempt > s.webhook_max_attempts:
+        return  # a copy of a message the broker handed out again: the budget counts on the job
     body = json.dumps(
         {"type": f"job.{rec['state']}", "timestamp": iso(now_ms()), "data": job_resource(rec)},
         separators=(",", ":"),
@@ -418,14 +420,17 @@ def deliver_webhook(self: Any, job_id: str) -> None:
         failure = e
     # The job's owner sees a typed reason; the exception text (addresses, endpoints) stays in this log.
     error = webhooks.delivery_error(failure, status)
+    give_up = isinstance(failure, WebhookRefused) or status == 410 or attempt >= s.webhook_max_attempts
     delivery = {"attempts": attempt, "last_status": status, "last_error": error}
     if error is None:
         delivery["delivered_ms"] = now_ms()
+    elif give_up:
+        delivery["gave_up"] = True
     st.set_fields(job_id, {"webhook_delivery": delivery})
     if error is None:
         return
     detail = f"{type(failure).__name__}: {failure}" if failure is not None else f"HTTP {status}"
-    if isinstance(failure, WebhookRefused) or status == 410 or attempt >= s.webhook_max_attempts:
+    if give_up:
         log.warning("job %s: giving up on webhook %s after %d attempts: %s", job_id, hook["url"], attempt, detail)
         return
     log.info("job %s: webhook attempt %d failed (%s): %s", job_id, attempt, error, detail)
