@@ -397,6 +397,35 @@ def test_event_stream_replays_history_and_ends_with_the_job(api) -> None:
     assert events[-1][1]["state"] == "succeeded" and events[-1][1]["done"]
 
 
+@pytest.mark.parametrize("last_event_id", ["18446744073709551616-0", "0-18446744073709551616", "1-x", "+"])
+def test_a_hostile_last_event_id_resumes_from_now(api, last_event_id: str) -> None:
+    """A Last-Event-ID that is no stream position Redis can hold (beyond 64 bits, not numbers) is
+    ignored: the stream follows the job from now on, never dies on a Redis error."""
+    store = JobStore(api.redis, api.keys)
+    job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
+    events: list[tuple[str, dict]] = []
+
+    def follow() -> None:
+        headers = {**api.a, "Last-Event-ID": last_event_id}
+        with api.client.stream("GET", f"/v1/jobs/{job['id']}/events", headers=headers) as r:
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    events.append((name, json.loads(line[5:])))
+
+    t = threading.Thread(target=follow)
+    t.start()
+    time.sleep(0.5)
+    store.transition(job["id"], ("queued",), "running")
+    store.transition(job["id"], ("running",), "succeeded", {"result": {"outputs": []}})
+    t.join(timeout=20)
+    assert not t.is_alive()
+    assert [d["state"] for n, d in events if n == "state"] == ["running", "succeeded"]
+    assert events[-1][0] == "job" and events[-1][1]["state"] == "succeeded"
+
+
 # --- catalog, health, metrics ------------------------------------------------------------------
 
 

@@ -253,7 +253,14 @@ def _sse(event: str, data: bytes | str, event_id: str | None = None) -> bytes:
     return f"{head}event: {event}\ndata: {text}\n\n".encode()
 
 
-_STREAM_ID = re.compile(r"^\d+-\d+$")
+_STREAM_ID = re.compile(r"^(\d+)-(\d+)$")
+
+
+def _is_stream_position(value: str) -> bool:
+    """A Redis stream id (two unsigned 64-bit numbers): anything else from a client's Last-Event-ID
+    is ignored, never handed to XREAD (which would fail mid-stream)."""
+    m = _STREAM_ID.match(value)
+    return m is not None and all(int(part) < 2**64 for part in m.groups())
 
 
 async def _events(
@@ -286,7 +293,7 @@ async def _follow(
     yield _sse("job", _json(job_resource(rec)), position)
     if rec["state"] in TERMINAL:
         return
-    if last_event_id and _STREAM_ID.match(last_event_id):
+    if last_event_id and _is_stream_position(last_event_id):
         position = last_event_id
     while True:
         if await request.is_disconnected():
