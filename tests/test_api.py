@@ -196,6 +196,26 @@ def test_local_targets_with_data_are_409_and_a_retry_still_gets_its_job(api, tmp
     assert_problem(submit(f"{tmp_path}/new/model.mdl", idem="retry-2"), 409, "target_taken")
 
 
+def test_one_target_spelled_with_or_without_a_trailing_slash_is_one_reservation(api, tmp_path: Path) -> None:
+    key, _ = create_key(api.redis, api.keys, "spellings", ["s3://bucket/team-a/", f"{tmp_path}/"])
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def submit(target: str):
+        body = {"kind": "convert", "source": {"uri": "s3://bucket/team-a/in.safetensors"}}
+        return api.client.post(
+            "/v1/jobs", json={**body, "target": {"uri": target, "format": "safetensors"}}, headers=auth
+        )
+
+    for first, *others in (
+        ("s3://bucket/team-a/slash/out/", "s3://bucket/team-a/slash/out"),
+        ("s3://bucket/team-a/bare/out", "s3://bucket/team-a/bare/out/"),
+        (f"{tmp_path}/local/out/", f"{tmp_path}/local/out", f"file://{tmp_path}/local/out", f"{tmp_path}/local/./out"),
+    ):
+        assert submit(first).status_code == 202
+        for other in others:
+            assert_problem(submit(other), 409, "target_taken")
+
+
 def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     # No worker consumes the interactive queue, so a dry run waits plan_timeout_seconds (1 s) and
     # then answers 503; meanwhile its Idempotency-Key is in flight.
