@@ -523,6 +523,42 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_it_with_nothing_partial_visib
         svc.stop()
 
 
+def test_kill_9_mid_upload_leaves_no_multipart_upload_after_the_takeover(
+    redis_url: str, bucket: str, tmp_path: Path
+) -> None:
+    """A safetensors target on S3 streams as a multipart upload from the staging area; the worker
+    killed mid-upload never aborts it, so the attempt that takes over must (its parts are storage
+    paid for and invisible to listings)."""
+    svc = Service(redis_url, bucket, tmp_path)
+    s3 = boto3.client("s3")
+
+    def uploads() -> list[str]:
+        found = s3.list_multipart_uploads(Bucket=bucket, Prefix="team/kill-mpu").get("Uploads", [])
+        return [u["Key"] for u in found]
+
+    try:
+        expected = make_checkpoint(bucket, "team/kill-mpu/model.safetensors", 120, dim=256)  # 30 MiB: parts
+        first = svc.start_worker()
+        with svc.client() as c:
+            job = c.submit(
+                f"s3://{bucket}/team/kill-mpu/model.safetensors",
+                f"s3://{bucket}/team/kill-mpu-out/model.safetensors",
+                to="safetensors",
+            )
+            wait_for(uploads, timeout=120, interval=0.02)  # the upload of the first attempt is under way
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+            assert uploads()
+            svc.start_worker()
+            job = c.wait(job["id"], timeout=300)
+        assert job["state"] == "succeeded" and job["attempts"] == 2, job.get("error")
+        check_outputs(job, bucket, expected, fmt="safetensors")
+        assert uploads() == []
+        assert not listing(bucket, "team/kill-mpu-out/.ckptconv-staging")
+    finally:
+        svc.stop()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_hostile_dcp_metadata_is_a_typed_answer_of_the_api(service: Service, tmp_path: Path) -> None:
     # A distributed checkpoint whose .metadata lies (a size of text, chunks that overlap): the
