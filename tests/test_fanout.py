@@ -87,6 +87,9 @@ def _uploads(bucket: str) -> list[dict]:
         ("cs-h5", "cs-h5", "out.mdl"),
         ("torch", "safetensors", "out.safetensors"),
         ("torch", "cs-h5", "out.mdl"),
+        ("safetensors", "torch", "out.bin"),
+        ("cs-h5", "torch", "out.bin"),
+        ("torch", "torch", "out.bin"),
     ],
 )
 def test_fanned_out_local_output_is_the_single_worker_output(source_fmt, to, name, tmp_path: Path) -> None:
@@ -99,17 +102,35 @@ def test_fanned_out_local_output_is_the_single_worker_output(source_fmt, to, nam
     assert not (tmp_path / "three" / ".ckptconv-staging").exists()
 
 
-def test_sharded_safetensors_fan_out_across_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_sharded_fan_out_across_files(to: str, tmp_path: Path) -> None:
     source = _source(tmp_path, "safetensors")
-    expected = _single(source, str(tmp_path / "one"), "safetensors", shard_size=4 * MiB)
-    result = convert(source, str(tmp_path / "four"), to="safetensors", shard_size=4 * MiB, parallelism=4, job_id="fs")
+    expected = _single(source, str(tmp_path / "one"), to, shard_size=4 * MiB)
+    result = convert(source, str(tmp_path / "four"), to=to, shard_size=4 * MiB, parallelism=4, job_id="fs")
     assert len(result.outputs) > 3 and [o.role for o in result.outputs][-1] == "index"
     assert [o.sha256 for o in result.outputs] == expected == [_sha(o.uri) for o in result.outputs]
 
 
+def test_torch_zip64_members_fan_out_to_the_single_worker_bytes(tmp_path: Path, monkeypatch) -> None:
+    # Members of 1 MiB or more carry zip64 fields and 24-byte data descriptors, as 4 GiB ones do.
+    from ckptconv.formats.torch_pickle import TorchSink
+
+    monkeypatch.setattr(TorchSink, "zip64_from", MiB)
+    source = _source(tmp_path, "safetensors")
+    expected = _single(source, str(tmp_path / "one" / "m.bin"), "torch")
+    result = convert(source, str(tmp_path / "five" / "m.bin"), to="torch", parallelism=5, job_id="z64")
+    assert [o.sha256 for o in result.outputs] == expected
+    loaded = torch.load(result.outputs[0].uri, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in _tensors().items())
+
+
 @pytest.mark.parametrize(
     ("source_fmt", "to", "name"),
-    [("safetensors", "cs-h5", "out.mdl"), ("cs-h5", "safetensors", "out.safetensors")],
+    [
+        ("safetensors", "cs-h5", "out.mdl"),
+        ("cs-h5", "safetensors", "out.safetensors"),
+        ("safetensors", "torch", "out.bin"),  # the central directory sent at commit with held bytes
+    ],
 )
 def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, tmp_path: Path, s3_bucket) -> None:
     source = _source(tmp_path, source_fmt)
@@ -125,6 +146,16 @@ def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, 
     assert _uploads(s3_bucket) == []
     left = [i.uri for i in open_storage(f"s3://{s3_bucket}/").list(f"s3://{s3_bucket}/two/")]
     assert sorted(left) == sorted([o.uri for o in result.outputs] + [result.manifest])
+
+
+def test_sharded_torch_on_s3_holds_files_smaller_than_an_upload_part(tmp_path: Path, s3_bucket) -> None:
+    # Each shard is under one upload part: the commit sends each whole, with its central directory.
+    source = _source(tmp_path, "safetensors")
+    expected = _single(source, f"s3://{s3_bucket}/one", "torch", shard_size=4 * MiB)
+    result = convert(source, f"s3://{s3_bucket}/two", to="torch", shard_size=4 * MiB, parallelism=3, job_id="ts3")
+    assert [_sha(o.uri) for o in result.outputs] == expected == [o.sha256 for o in result.outputs]
+    assert _uploads(s3_bucket) == []
+    assert not [i for i in open_storage(f"s3://{s3_bucket}/").list(f"s3://{s3_bucket}/") if "staging" in i.uri]
 
 
 def test_parts_are_balanced_by_bytes_and_tile_every_file() -> None:
@@ -199,7 +230,7 @@ def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
 def test_formats_without_a_known_layout_refuse_parallelism(tmp_path: Path) -> None:
     source = _source(tmp_path, "safetensors")
     with pytest.raises(InvalidRequest, match="parallelism > 1"):
-        convert(source, str(tmp_path / "x.bin"), to="torch", parallelism=2)
+        convert(source, str(tmp_path / "x"), to="tf", parallelism=2)
 
 
 def test_a_layout_conversion_fans_out_to_the_single_worker_bytes(tmp_path: Path, s3_bucket) -> None:
@@ -227,3 +258,33 @@ def test_a_layout_conversion_fans_out_to_the_single_worker_bytes(tmp_path: Path,
     assert [o.sha256 for o in two.outputs] == [_sha(o.uri) for o in two.outputs]
     assert two.verify["ok"] is True and two.verify["entries_checked"] == one.verify["entries_checked"]
     assert _uploads(s3_bucket) == []
+
+
+def test_a_layout_conversion_to_torch_shards_fans_out_to_the_single_worker_bytes(tmp_path: Path) -> None:
+    import transformers
+
+    from ckptconv.engine.layouts.api import convert_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")  # about 8 MB
+    convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
+    cs = str(next((tmp_path / "cs").glob("*.mdl")))
+    yaml = str(next((tmp_path / "cs").glob("*.yaml")))
+    args = {"model": "llama", "src_fmt": "cs-2.9", "tgt_fmt": "hf", "hf_shard_size": "3MB", "config": yaml}
+    one = convert_model(cs, str(tmp_path / "one"), **args)
+    two = convert_model(cs, str(tmp_path / "two"), parallelism=3, job_id="fan-torch-layout", **args)
+    assert two.extras["parallelism"] == 3
+    assert [o.role for o in two.outputs] == [o.role for o in one.outputs]
+    assert len([o for o in two.outputs if o.uri.endswith(".bin")]) > 1
+    assert [_sha(o.uri) for o in two.outputs] == [_sha(o.uri) for o in one.outputs]
+    assert [o.sha256 for o in two.outputs] == [_sha(o.uri) for o in two.outputs]
+    assert two.verify["ok"] is True

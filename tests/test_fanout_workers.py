@@ -81,7 +81,10 @@ def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactor
         svc.stop()
 
 
-@pytest.mark.parametrize(("to", "name", "where"), [("cs-h5", "model.mdl", "s3"), ("safetensors", "x", "local")])
+@pytest.mark.parametrize(
+    ("to", "name", "where"),
+    [("cs-h5", "model.mdl", "s3"), ("safetensors", "x", "local"), ("torch", "model.bin", "s3")],
+)
 def test_two_workers_commit_the_single_worker_bytes(service: Service, to: str, name: str, where: str) -> None:
     b = service.bucket
     _checkpoint(b, f"team/fan-{to}/model.safetensors", 24, (512, 512))  # 24 MiB: several upload parts

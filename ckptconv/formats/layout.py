@@ -7,10 +7,18 @@ Every other byte of the file (the safetensors header, the H5 metadata) is a *gap
 format also knows up front. A file is then the gaps' bytes and each span's value, in any order:
 one process writing front to back, or several writing their own byte ranges of one preallocated
 file or multipart upload (``ckptconv.engine.fanout``) produce the same bytes.
+
+A zip archive (a torch file, written with stored entries) places its members up front too, but
+records each member's CRC-32 after its data and again in the central directory. Those four bytes
+are a span of kind ``crc32`` whose source is the member's value: whoever computes the value writes
+them. The central directory at the end holds every member's CRC, so it is the file's *tail*: the
+bytes from ``tail`` on are written last, from the CRCs the writers of the rest recorded.
 """
 
 from __future__ import annotations
 
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +34,29 @@ class Span:
     source: str  # the entry whose value fills it: ``key`` itself, or the target of a link stored as a copy
     offset: int
     nbytes: int
+    kind: str = "data"  # DATA: the value's bytes; CRC32: the CRC-32 of them, 4 bytes little-endian
+
+
+DATA = "data"
+CRC32 = "crc32"
 
 
 @dataclass
 class FileLayout:
-    """One output file: its URI, size, and value spans (sorted by offset, never overlapping)."""
+    """One output file: its URI, size, and value spans (sorted by offset, never overlapping).
+
+    ``tail``: where the bytes that depend on every value start (None: no such bytes); they hold
+    only gaps and ``crc32`` spans."""
 
     uri: str
     size: int
     spans: list[Span] = field(default_factory=list)
+    tail: int | None = None
+
+    @property
+    def written_by_parts(self) -> int:
+        """The end of the bytes that are written before the tail (all of them without one)."""
+        return self.size if self.tail is None else self.tail
 
     def gaps(self) -> list[tuple[int, int]]:
         """The ``[start, end)`` ranges no span covers, in order."""
@@ -51,17 +73,71 @@ class FileLayout:
         return {
             "uri": self.uri,
             "size": self.size,
-            "spans": [[s.key, s.source, s.offset, s.nbytes] for s in self.spans],
+            "spans": [[s.key, s.source, s.offset, s.nbytes] + ([s.kind] if s.kind != DATA else []) for s in self.spans],
+            "tail": self.tail,
         }
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> FileLayout:
-        return cls(doc["uri"], int(doc["size"]), [Span(k, src, int(o), int(n)) for k, src, o, n in doc["spans"]])
+        spans = [Span(d[0], d[1], int(d[2]), int(d[3]), *d[4:5]) for d in doc["spans"]]
+        return cls(doc["uri"], int(doc["size"]), spans, doc.get("tail"))
+
+
+class LayoutRecorder:
+    """An output that lays a file out instead of writing it: what is written is gap bytes, what is
+    placed (:meth:`place`) a span; :meth:`layout` is the result."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.gaps = bytearray()
+        self.spans: list[Span] = []
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.gaps += data
+        self.pos += data.nbytes if isinstance(data, memoryview) else len(data)
+
+    def place(self, key: str, nbytes: int, kind: str) -> None:
+        self.spans.append(Span(key, key, self.pos, nbytes, kind))
+        self.pos += nbytes
+
+    def layout(self, tail: int | None = None) -> FileLayout:
+        return FileLayout(self.uri, self.pos, list(self.spans), tail)
 
 
 def gap_bytes(layout: FileLayout, read: Any) -> bytes:
     """The bytes of every gap of ``layout``, concatenated in order; ``read(start, end)`` gives a range."""
     return b"".join(read(start, end) for start, end in layout.gaps())
+
+
+def span_bytes(span: Span, data: memoryview, crcs: dict[str, int]) -> memoryview:
+    """What ``span`` holds for a value whose bytes are ``data``; a CRC is computed once per value
+    and kept in ``crcs`` (by source), which is what the tail is written from."""
+    if span.kind == DATA:
+        return data
+    crc = crcs.get(span.source)
+    if crc is None:
+        crc = crcs[span.source] = zlib.crc32(data)
+    return memoryview(struct.pack("<I", crc))
+
+
+def tail_bytes(layout: FileLayout, gaps: bytes, crcs: dict[str, int]) -> bytes:
+    """The bytes of ``layout``'s tail: its gaps (``gaps`` are the file's, see :func:`gap_bytes`)
+    with every CRC field filled from ``crcs``, which must hold each one's source."""
+    if layout.tail is None:
+        return b""
+    rest = memoryview(gaps)[sum(min(e, layout.tail) - s for s, e in layout.gaps() if s < layout.tail) :]
+    out = bytearray()
+    cursor, at = layout.tail, 0
+    for s in layout.spans:
+        if s.offset < layout.tail:
+            continue
+        out += rest[at : at + s.offset - cursor]
+        at += s.offset - cursor
+        out += struct.pack("<I", crcs[s.source])  # a tail holds CRC fields only
+        cursor = s.offset + s.nbytes
+    out += rest[at:]
+    return bytes(out)
 
 
 def value_bytes(value: Any) -> memoryview:
@@ -72,4 +148,14 @@ def value_bytes(value: Any) -> memoryview:
     return tensor_view(value)
 
 
-__all__ = ["FileLayout", "Span", "gap_bytes", "value_bytes"]
+__all__ = [
+    "CRC32",
+    "DATA",
+    "FileLayout",
+    "LayoutRecorder",
+    "Span",
+    "gap_bytes",
+    "span_bytes",
+    "tail_bytes",
+    "value_bytes",
+]

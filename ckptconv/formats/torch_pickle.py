@@ -27,10 +27,10 @@ publishes); ``abort`` removes them all.
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import math
 import pickle
-import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,7 @@ from ckptconv.formats.hf_record import (
     parse_record,
     plain_value,
 )
+from ckptconv.formats.layout import FileLayout, LayoutRecorder
 from ckptconv.formats.links import link_root
 from ckptconv.formats.pickle_allowlist import STORAGE_OF_DTYPE, StorageRef, TensorRef, TorchDtype
 from ckptconv.formats.registry import FORMATS
@@ -74,6 +75,7 @@ from ckptconv.formats.sharding import (
 from ckptconv.formats.torch_archive import Archive, check_tree, describe_pickle, read_ref
 from ckptconv.formats.tree import TreeSpec, flatten, unflatten
 from ckptconv.formats.zip_stream import ZipStreamWriter
+from ckptconv.storage.part_upload import open_output_writer
 
 if TYPE_CHECKING:
     import torch
@@ -362,6 +364,8 @@ class TorchSink(ShardedSink):
         self._current = -1
         self._zip: ZipStreamWriter | None = None
         self._index: tuple[str, bytes] | None = None
+        self._laid_out: list[tuple[FileLayout, bytes]] | None = None  # a skeleton's files (see reserve)
+        self._skeletons: list[str] = []  # preallocated files _finish_skeleton created (abort removes them)
 
     @classmethod
     def check(cls, entries: Any) -> None:
@@ -459,15 +463,57 @@ class TorchSink(ShardedSink):
         zw.feed(data)
         zw.end()
 
+    # --- the layout, for outputs written by several processes (ckptconv.engine.fanout) --------------
+
+    def placed_keys(self) -> set[str]:
+        """Tensors: each a stored member (its data and CRC placed up front); values live in data.pkl."""
+        return set(self._file_of)
+
+    def _reserve(self, key: str) -> None:
+        if self._laid_out is None:
+            self._laid_out = []
+        i = self._file_of[key]
+        zw = self._zip_for(i)
+        out = self._files[i]
+        zw.reserve(f"{out.prefix}/data/{out.storage_ids[key]}", self._leaves[key].storage.nbytes, key)
+
+    def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
+        """Each archive's layout (its members' data and CRCs spans, the central directory its tail)
+        and gap bytes; a local output file is created preallocated; the index is written whole."""
+        if self._laid_out is None:
+            self._laid_out = []
+        try:
+            zw = self._zip_for(len(self._files) - 1)
+            self._finish(self._files[-1], zw)
+            self._zip = None
+            for layout, _ in self._laid_out:
+                if self.storage.local_path(layout.uri) is not None:
+                    with open_output_writer(self.storage, layout.uri, layout.size):
+                        pass
+                    self._skeletons.append(layout.uri)
+            if self._index is not None:
+                uri, text = self._index
+                self._outputs.create(uri, role="index").write(text)
+            self._outputs.commit()
+        except BaseException:
+            self.abort()
+            raise
+        return self._laid_out
+
+    def side_files(self) -> list[OutputFile]:
+        return [f for f in self._outputs.done if f.role != "data"]
+
     def _zip_for(self, i: int) -> ZipStreamWriter:
         """The archive of file ``i``, finishing earlier files and starting any not yet started."""
         while self._current < i:
             if self._zip is not None:
                 self._finish(self._files[self._current], self._zip)
-                self._outputs.close(self._zip.out)
+                if self._laid_out is None:
+                    self._outputs.close(self._zip.out)
             self._current += 1
             out = self._files[self._current]
-            self._zip = ZipStreamWriter(self._outputs.create(out.uri), zip64_from=self.zip64_from)
+            sink = self._outputs.create(out.uri) if self._laid_out is None else LayoutRecorder(out.uri)
+            self._zip = ZipStreamWriter(sink, zip64_from=self.zip64_from)
             # The member order of torch.save: data.pkl and format records, storages, version, id.
             if out.pkl is not None:
                 self._zip.add(f"{out.prefix}/data.pkl", out.pkl)
@@ -478,12 +524,22 @@ class TorchSink(ShardedSink):
         return self._zip
 
     def _finish(self, out: _FileOut, zw: ZipStreamWriter) -> None:
-        if out.pkl is None:
-            zw.add(f"{out.prefix}/data.pkl", pickle_tree(self._tree()))
+        pkl = out.pkl
+        if pkl is None:
+            pkl = pickle_tree(self._tree())
+            zw.add(f"{out.prefix}/data.pkl", pkl)
         zw.add(f"{out.prefix}/version", b"3\n")
-        # torch writes 40 decimal digits identifying the save; any such string loads.
-        zw.add(f"{out.prefix}/.data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
+        # torch writes 40 decimal digits identifying the save; any such string loads. Derived from
+        # what the archive holds, so a conversion run again (or by several processes) writes the
+        # same bytes.
+        digest = hashlib.sha256(out.prefix.encode() + b"\0" + pkl)
+        for key in out.keys:
+            if key in self._meta:
+                digest.update(repr((key, self._meta[key])).encode())
+        zw.add(f"{out.prefix}/.data/serialization_id", str(int(digest.hexdigest()[:32], 16)).zfill(40).encode())
         zw.finish()
+        if isinstance(zw.out, LayoutRecorder) and self._laid_out is not None:
+            self._laid_out.append((zw.out.layout(tail=zw.cd_start), bytes(zw.out.gaps)))
 
     def _commit(self) -> list[OutputFile]:
         try:
@@ -501,3 +557,6 @@ class TorchSink(ShardedSink):
     def _abort(self) -> None:
         self._zip = None
         self._outputs.abort()
+        skeletons, self._skeletons = self._skeletons, []
+        for uri in skeletons:
+            self.storage.delete(uri)

@@ -6,9 +6,17 @@ import struct
 import zlib
 from typing import Protocol
 
+from ckptconv.formats.layout import CRC32, DATA
+
 
 class _Out(Protocol):
     def write(self, data: bytes | memoryview) -> object: ...
+
+
+class _Placing(_Out, Protocol):
+    """An output that records where bytes another process writes go (``ckptconv.formats.layout``)."""
+
+    def place(self, key: str, nbytes: int, kind: str) -> None: ...
 
 
 class ZipStreamWriter:
@@ -18,6 +26,10 @@ class ZipStreamWriter:
     padding extra field, sizes and CRC in a data descriptor after the data (flag bit 3), and the
     archive always ends with zip64 end records. Members of ``zip64_from`` bytes or more, or
     starting beyond 4 GiB, carry zip64 extra fields.
+
+    :meth:`reserve` lays out a member without its data (the output must be :class:`_Placing`): its
+    data and the two copies of its CRC-32 (data descriptor, central directory) become spans of
+    the member's key, the rest of the archive is written as it would be.
     """
 
     def __init__(self, out: _Out, *, alignment: int = 64, zip64_from: int = 0xFFFFFFFF) -> None:
@@ -25,10 +37,12 @@ class ZipStreamWriter:
         self.alignment = alignment
         self.zip64_from = zip64_from
         self.pos = 0
-        self.members: list[tuple[bytes, int, int, int]] = []  # name, header offset, crc, size
+        self.members: list[tuple[bytes, int, int, int, str | None]] = []  # name, header offset, crc, size, key
         self._open: tuple[bytes, int, int, bool] | None = None  # name, header offset, size, zip64
         self._crc = 0
         self._written = 0
+        self._key: str | None = None  # the member being reserved: its CRC is a span of this key
+        self.cd_start: int | None = None
 
     def _emit(self, data: bytes | memoryview) -> None:
         self.out.write(data)
@@ -54,6 +68,27 @@ class ZipStreamWriter:
         self._crc = 0
         self._written = 0
 
+    def reserve(self, name: str, size: int, key: str) -> None:
+        """A member of ``size`` bytes whose data (and CRC) ``key``'s value gives, written elsewhere."""
+        self.begin(name, size)
+        if size == 0:  # no data: its CRC is known (0)
+            self.end()
+            return
+        out: _Placing = self.out  # type: ignore[assignment]
+        out.place(key, size, DATA)
+        self.pos += size
+        self._written = size
+        self._key = key
+        self.end()
+
+    def _emit_crc(self, crc: int, key: str | None) -> None:
+        if key is None:
+            self._emit(struct.pack("<I", crc))
+            return
+        out: _Placing = self.out  # type: ignore[assignment]
+        out.place(key, 4, CRC32)
+        self.pos += 4
+
     def feed(self, data: bytes | memoryview) -> None:
         self._crc = zlib.crc32(data, self._crc)
         self._written += data.nbytes if isinstance(data, memoryview) else len(data)
@@ -65,16 +100,16 @@ class ZipStreamWriter:
         raw, offset, size, zip64 = self._open
         if self._written != size:
             raise RuntimeError(f"zip member {raw!r}: {self._written} bytes written, {size} announced")
-        if zip64:
-            self._emit(struct.pack("<IIQQ", 0x08074B50, self._crc, size, size))
-        else:
-            self._emit(struct.pack("<IIII", 0x08074B50, self._crc, size, size))
-        self.members.append((raw, offset, self._crc, size))
+        key, self._key = self._key, None
+        self._emit(struct.pack("<I", 0x08074B50))
+        self._emit_crc(self._crc, key)
+        self._emit(struct.pack("<QQ", size, size) if zip64 else struct.pack("<II", size, size))
+        self.members.append((raw, offset, self._crc, size, key))
         self._open = None
 
     def finish(self) -> None:
-        cd_start = self.pos
-        for raw, offset, crc, size in self.members:
+        cd_start = self.cd_start = self.pos  # the central directory: every member's CRC
+        for raw, offset, crc, size, key in self.members:
             big_size = size >= self.zip64_from
             big_offset = offset >= 0xFFFFFFFF
             extra = b""
@@ -83,17 +118,11 @@ class ZipStreamWriter:
                 fields += (offset,) if big_offset else ()
                 extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields)
             version = 45 if extra else 0
+            self._emit(struct.pack("<IHHHHHH", 0x02014B50, version, version, 0x0808, 0, 0, 0))
+            self._emit_crc(crc, key)
             self._emit(
                 struct.pack(
-                    "<IHHHHHHIIIHHHHHII",
-                    0x02014B50,
-                    version,
-                    version,
-                    0x0808,
-                    0,
-                    0,
-                    0,
-                    crc,
+                    "<IIHHHHHII",
                     0xFFFFFFFF if big_size else size,
                     0xFFFFFFFF if big_size else size,
                     len(raw),

@@ -1,9 +1,12 @@
 """One conversion fanned out across several workers: parts cut by output bytes, one commit.
 
 Formats whose byte layout is known before any value is read (safetensors; Cerebras H5 with
-contiguous datasets, see :mod:`ckptconv.formats.layout`) can be written by several processes at
-once, each its own byte ranges. The flow (all of it inside the job's staging area, under the
-attempt that runs it, see :mod:`ckptconv.engine.run`):
+contiguous datasets; torch zip archives, whose members are stored, see
+:mod:`ckptconv.formats.layout`) can be written by several processes at once, each its own byte
+ranges. A zip's CRC fields are spans of the value they check; its central directory, which holds
+every CRC, is the file's *tail*, written by the commit (:mod:`ckptconv.engine.fanout.tail`). The
+flow (all of it inside the job's staging area, under the attempt that runs it, see
+:mod:`ckptconv.engine.run`):
 
 1. **prepare** (the job's own worker): build the plan and the layout of every output file: the sink
    runs with every value that has a place in a file *reserved* and the rest (values, pickled
@@ -22,9 +25,10 @@ attempt that runs it, see :mod:`ckptconv.engine.run`):
 3. **commit** (the job's worker, fenced by its attempt): read every part record *from storage*
    (never from a task result), check their count and that their ranges tile every file, merge the
    digests (two parts that computed one value must agree) and compare them with the source's;
-   complete the uploads (create-only), read each file once for its sha256 and the xxh3 of every
-   part's ranges, then stage the manifest and publish as a single-worker run does (the manifest
-   last). A commit run twice publishes once: the published manifest carries the job id.
+   write each file's tail from the CRCs the parts recorded; complete the uploads (create-only),
+   read each file once for its sha256 and the xxh3 of every part's ranges, then stage the
+   manifest and publish as a single-worker run does (the manifest last). A commit run twice
+   publishes once: the published manifest carries the job id.
 
 A failure or cancellation stops the parts, waits for them to let go, and removes the staging area
 with its incomplete multipart uploads: nothing reaches the target before the commit.

@@ -12,6 +12,7 @@ from ckptconv.core.errors import VerificationFailed
 from ckptconv.core.fencing import fence
 from ckptconv.engine.execute import ProgressReporter, VerifyReport, check_written, verify_output
 from ckptconv.engine.fanout.records import _part_uri, _read_doc
+from ckptconv.engine.fanout.tail import write_tails
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.run import stage_manifest
 from ckptconv.engine.staging import _Layout
@@ -65,10 +66,12 @@ def _commit(
         report.ok = report.ok and not conflicts
     outputs: list[OutputFile] = []
     expected = {(fi, s, e): h for record in records for fi, s, e, h in record["ranges"]}
+    tails, tail_parts = write_tails(layout, doc, records)
+    expected.update(tails)
     for fi, described in enumerate(doc["files"]):
         f = FileLayout.from_dict(described)
         if described["upload_id"] is not None:
-            parts = [p for record in records for p in record["uploaded"].get(str(fi), [])]
+            parts = [p for record in records for p in record["uploaded"].get(str(fi), [])] + tail_parts.get(fi, [])
             fence(job_id)
             upload = PartUpload(
                 storage.backend(f.uri),
@@ -110,16 +113,17 @@ def _commit(
 
 
 def _check_tiling(doc: dict[str, Any]) -> None:
-    """The parts' ranges cover every byte of every file exactly once."""
+    """The parts' ranges cover every byte of every file exactly once (but a tail, see write_tails)."""
     for fi, f in enumerate(doc["files"]):
+        end = f["size"] if f.get("tail") is None else f["tail"]
         ranges = sorted((s, e) for part in doc["parts"] for i, s, e in part if i == fi)
         cursor = 0
         for s, e in ranges:
             if s != cursor:
                 raise VerificationFailed(f"{f['uri']}: the parts leave bytes {cursor}..{s} unwritten or overlap")
             cursor = e
-        if cursor != f["size"]:
-            raise VerificationFailed(f"{f['uri']}: the parts stop at byte {cursor} of {f['size']}")
+        if cursor != end:
+            raise VerificationFailed(f"{f['uri']}: the parts stop at byte {cursor} of {end}")
 
 
 def _hash_file(storage: Storage, uri: str, ranges: list[tuple[int, int]]) -> tuple[str, dict[tuple[int, int], str]]:

@@ -16,11 +16,12 @@ from ckptconv.core.uri import normalize_uri
 from ckptconv.engine.execute import IDENTITY, CancelFn, check_produced, check_written, value_digest
 from ckptconv.engine.fanout.records import _doc_uri, _gaps_uri, _part_uri, _read_doc
 from ckptconv.engine.fanout.runner import PartRunner
+from ckptconv.engine.fanout.tail import HeldUpload, held_uri
 from ckptconv.engine.plan import Plan, Step
 from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.engine.staging import _layout
 from ckptconv.formats.base import TensorSource
-from ckptconv.formats.layout import FileLayout, Span, value_bytes
+from ckptconv.formats.layout import FileLayout, Span, span_bytes, value_bytes
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 from ckptconv.storage.local import LocalPatch
@@ -113,6 +114,7 @@ def run_part(
     writers: dict[int, Any] = {}
     digests: dict[str, str] = {}
     read_digests: dict[str, str] = {}
+    crcs: dict[str, int] = {}  # the CRC-32 of the values whose CRC fields this part wrote (zip members)
     recorded, tensors, written = [], 0, 0
     current: tuple[str, memoryview, Any] | None = None
     # Values are read ahead (as the executor reads them) while the previous one is written.
@@ -141,7 +143,7 @@ def run_part(
             f = files[fi]
             if fi not in gaps:
                 gaps[fi] = storage.read_all(_gaps_uri(layout, fi))
-                writers[fi] = _writer(storage, f, doc)
+                writers[fi] = _writer(storage, f, doc, held_uri(layout, fi))
             h = xxhash.xxh3_128()
             for offset, n, span, at in _pieces(f, start, end):
                 if span is None:
@@ -155,7 +157,7 @@ def run_part(
                         digests[span.source] = value_digest(value)
                         current = (span.source, value_bytes(value), value)
                         tensors += 1
-                    piece = current[1][at : at + n]
+                    piece = span_bytes(span, current[1], crcs)[at : at + n]
                 writers[fi].write_at(offset, piece)
                 h.update(piece)
                 written += n
@@ -165,7 +167,7 @@ def run_part(
         current = None
         uploaded = {}
         for fi, w in writers.items():
-            if isinstance(w, PartUpload):
+            if not isinstance(w, LocalPatch):
                 uploaded[str(fi)] = w.flush(files[fi].size)
             else:
                 w.close(sync=True)
@@ -185,6 +187,7 @@ def run_part(
         "uploaded": uploaded,
         "digests": digests,
         "read_digests": read_digests,
+        "crcs": crcs,
     }
     fence(job_id)  # a part of an attempt that lost the job records nothing
     with contextlib.suppress(TargetExists):  # a duplicate that ran meanwhile wrote the same record
@@ -192,16 +195,17 @@ def run_part(
     return True
 
 
-def _writer(storage: Storage, f: FileLayout, doc: dict[str, Any]) -> Any:
+def _writer(storage: Storage, f: FileLayout, doc: dict[str, Any], held: str) -> Any:
     described = next(d for d in doc["files"] if d["uri"] == f.uri)
     if described["upload_id"] is None:
         return LocalPatch(f.uri)
-    return PartUpload(
+    upload = PartUpload(
         storage.backend(f.uri),
         f.uri,
         part_size=doc["part_size"],
         upload_id=described["upload_id"],
     )
+    return upload if f.tail is None else HeldUpload(storage, upload, f.tail, held)
 
 
 def _sub_plan(plan: Plan, keys: dict[str, str]) -> Plan:

@@ -25,7 +25,7 @@ from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload
 
-FANOUT_FORMATS = ("safetensors", "cs-h5")
+FANOUT_FORMATS = ("safetensors", "cs-h5", "torch")
 POLL_SECONDS = 0.2
 
 

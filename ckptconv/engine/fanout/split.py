@@ -12,19 +12,21 @@ MIN_UNITS_PER_PART = 4  # S3: the part grid is made fine enough for this many un
 
 
 def _units(files: list[FileLayout], part_size: int | None) -> list[tuple[int, int, int]]:
-    """``(file, start, end)`` pieces no part boundary may cut: upload parts on S3, MiB elsewhere."""
+    """``(file, start, end)`` pieces no part boundary may cut: upload parts on S3, MiB elsewhere;
+    a file's tail is not cut into parts (the commit writes it)."""
     out = []
     for i, f in enumerate(files):
+        size = f.written_by_parts
         if part_size is None:
-            bounds = [(s, min(s + LOCAL_UNIT, f.size)) for s in range(0, f.size, LOCAL_UNIT)]
+            bounds = [(s, min(s + LOCAL_UNIT, size)) for s in range(0, size, LOCAL_UNIT)]
         else:
             grid = PartUpload.__new__(PartUpload)  # the grid arithmetic only: no upload, no pool
             grid.part_size = part_size
             bounds = []
             number = 1
-            while f.size and grid.part_bounds(number)[0] < f.size:
+            while size and grid.part_bounds(number)[0] < size:
                 start, end = grid.part_bounds(number)
-                bounds.append((start, min(end, f.size)))
+                bounds.append((start, min(end, size)))
                 number += 1
         out += [(i, s, e) for s, e in bounds]
     return out
