@@ -72,7 +72,6 @@ from ckptconv.formats.sharding import (
 )
 from ckptconv.formats.signatures import JSON_WHITESPACE, SAFETENSORS_MAX_HEADER
 from ckptconv.formats.tree import TreeSpec
-from ckptconv.storage.part_upload import open_output_writer
 
 if TYPE_CHECKING:
     from ckptconv.storage.base import Storage
@@ -343,7 +342,6 @@ class SafetensorsSink(ShardedSink):
         self._writer: Any = None
         self._index: tuple[str, bytes] | None = None
         self._dtypes: dict[str, str] = {}
-        self._skeletons: list[str] = []  # preallocated files _finish_skeleton created (abort removes them)
 
     @classmethod
     def check(cls, entries: Any) -> None:
@@ -434,12 +432,6 @@ class SafetensorsSink(ShardedSink):
             raise
         return self._outputs.commit()
 
-    def _abort(self) -> None:
-        self._outputs.abort()
-        skeletons, self._skeletons = self._skeletons, []
-        for uri in skeletons:
-            self.storage.delete(uri)
-
     # --- the layout, for outputs written by several processes (ckptconv.engine.fanout) --------------
 
     def placed_keys(self) -> set[str]:
@@ -450,26 +442,7 @@ class SafetensorsSink(ShardedSink):
         pass  # the header, computed at begin, already holds the entry
 
     def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
-        """Each file's layout and gap bytes (its header). A local output file is created
-        preallocated with its header in place, for the processes that write its spans; the index
-        (when sharded) is written whole."""
-        out = []
-        try:
-            for f in self._files:
-                layout = f.layout()
-                if self.storage.local_path(f.uri) is not None:
-                    with open_output_writer(self.storage, f.uri, layout.size) as writer:
-                        writer.write(f.header)
-                    self._skeletons.append(f.uri)
-                out.append((layout, f.header))
-            if self._index is not None:
-                uri, text = self._index
-                self._outputs.create(uri, role="index").write(text)
-            self._outputs.commit()
-        except BaseException:
-            self.abort()
-            raise
-        return out
-
-    def side_files(self) -> list[OutputFile]:
-        return [f for f in self._outputs.done if f.role != "data"]
+        """Each file's layout and gap bytes (its header); a local output file is created
+        preallocated with its header in place; the index (when sharded) is written whole."""
+        files = [(f.layout(), f.header) for f in self._files]
+        return self._lay_out(files, [f.header for f in self._files], self._index)

@@ -36,6 +36,7 @@ from ckptconv.storage.part_upload import open_output_writer, upload_buffer_bytes
 if TYPE_CHECKING:
     import torch
 
+    from ckptconv.formats.layout import FileLayout
     from ckptconv.storage.base import Storage, Writer
 
 T = TypeVar("T")
@@ -283,12 +284,44 @@ class ShardedSink(TensorSink):
         self.shard_size = shard_size
         self.always_sharded = always_sharded
         self._outputs = OutputSet(storage)
+        self._skeletons: list[str] = []  # preallocated files _lay_out created (abort removes them)
 
     def shard_files(self, entries: list[Entry], suffixes: tuple[str, ...]) -> tuple[list[ShardFile], str | None]:
         """Where this sink writes ``entries`` (see :func:`sink_files`)."""
         return sink_files(
             self.storage, self.uri, entries, self.shard_size, self.format, suffixes, always_sharded=self.always_sharded
         )
+
+    # A skeleton (ckptconv.formats.layout): the files others write the values of, and the index.
+
+    def _lay_out(
+        self, files: list[tuple[FileLayout, bytes]], heads: list[bytes], index: tuple[str, bytes] | None
+    ) -> list[tuple[FileLayout, bytes]]:
+        """Create each local output file of ``files`` preallocated, its ``heads`` bytes in place,
+        for the processes that write the rest; write the index (when sharded) whole."""
+        try:
+            for (layout, _), head in zip(files, heads, strict=True):
+                if self.storage.local_path(layout.uri) is not None:
+                    with open_output_writer(self.storage, layout.uri, layout.size) as writer:
+                        writer.write(head)
+                    self._skeletons.append(layout.uri)
+            if index is not None:
+                uri, text = index
+                self._outputs.create(uri, role="index").write(text)
+            self._outputs.commit()
+        except BaseException:
+            self.abort()
+            raise
+        return files
+
+    def side_files(self) -> list[OutputFile]:
+        return [f for f in self._outputs.done if f.role != "data"]
+
+    def _abort(self) -> None:
+        self._outputs.abort()
+        skeletons, self._skeletons = self._skeletons, []
+        for uri in skeletons:
+            self.storage.delete(uri)
 
 
 class HashingWriter:

@@ -75,7 +75,6 @@ from ckptconv.formats.sharding import (
 from ckptconv.formats.torch_archive import Archive, check_tree, describe_pickle, read_ref
 from ckptconv.formats.tree import TreeSpec, flatten, unflatten
 from ckptconv.formats.zip_stream import ZipStreamWriter
-from ckptconv.storage.part_upload import open_output_writer
 
 if TYPE_CHECKING:
     import torch
@@ -365,7 +364,6 @@ class TorchSink(ShardedSink):
         self._zip: ZipStreamWriter | None = None
         self._index: tuple[str, bytes] | None = None
         self._laid_out: list[tuple[FileLayout, bytes]] | None = None  # a skeleton's files (see reserve)
-        self._skeletons: list[str] = []  # preallocated files _finish_skeleton created (abort removes them)
 
     @classmethod
     def check(cls, entries: Any) -> None:
@@ -478,30 +476,17 @@ class TorchSink(ShardedSink):
         zw.reserve(f"{out.prefix}/data/{out.storage_ids[key]}", self._leaves[key].storage.nbytes, key)
 
     def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
-        """Each archive's layout (its members' data and CRCs spans, the central directory its tail)
-        and gap bytes; a local output file is created preallocated; the index is written whole."""
+        """Each archive's layout (its members' data and CRC fields spans, the central directory its
+        tail) and gap bytes; a local output file is created preallocated; the index is written whole."""
         if self._laid_out is None:
             self._laid_out = []
         try:
-            zw = self._zip_for(len(self._files) - 1)
-            self._finish(self._files[-1], zw)
+            self._finish(self._files[-1], self._zip_for(len(self._files) - 1))
             self._zip = None
-            for layout, _ in self._laid_out:
-                if self.storage.local_path(layout.uri) is not None:
-                    with open_output_writer(self.storage, layout.uri, layout.size):
-                        pass
-                    self._skeletons.append(layout.uri)
-            if self._index is not None:
-                uri, text = self._index
-                self._outputs.create(uri, role="index").write(text)
-            self._outputs.commit()
         except BaseException:
             self.abort()
             raise
-        return self._laid_out
-
-    def side_files(self) -> list[OutputFile]:
-        return [f for f in self._outputs.done if f.role != "data"]
+        return self._lay_out(self._laid_out, [b""] * len(self._laid_out), self._index)
 
     def _zip_for(self, i: int) -> ZipStreamWriter:
         """The archive of file ``i``, finishing earlier files and starting any not yet started."""
@@ -556,7 +541,4 @@ class TorchSink(ShardedSink):
 
     def _abort(self) -> None:
         self._zip = None
-        self._outputs.abort()
-        skeletons, self._skeletons = self._skeletons, []
-        for uri in skeletons:
-            self.storage.delete(uri)
+        super()._abort()
