@@ -233,22 +233,27 @@ def test_formats_without_a_known_layout_refuse_parallelism(tmp_path: Path) -> No
         convert(source, str(tmp_path / "x"), to="tf", parallelism=2)
 
 
-def test_a_layout_conversion_fans_out_to_the_single_worker_bytes(tmp_path: Path, s3_bucket) -> None:
+def _llama(path: Path, hidden: int) -> None:
+    """A small Llama saved as Hugging Face does."""
     import transformers
-
-    from ckptconv.engine.layouts.api import convert_model
 
     config = transformers.LlamaConfig(
         vocab_size=2048,
-        hidden_size=512,
-        intermediate_size=1024,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=128,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")  # about 25 MB
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def test_a_layout_conversion_fans_out_to_the_single_worker_bytes(tmp_path: Path, s3_bucket) -> None:
+    from ckptconv.engine.layouts.api import convert_model
+
+    _llama(tmp_path / "hf", hidden=512)  # about 25 MB
     args = {"model": "llama", "src_fmt": "hf", "tgt_fmt": "cs-2.9"}
     one = convert_model(str(tmp_path / "hf"), f"s3://{s3_bucket}/one", **args)
     two = convert_model(str(tmp_path / "hf"), f"s3://{s3_bucket}/two", parallelism=2, job_id="fan-layout", **args)
@@ -261,21 +266,9 @@ def test_a_layout_conversion_fans_out_to_the_single_worker_bytes(tmp_path: Path,
 
 
 def test_a_layout_conversion_to_torch_shards_fans_out_to_the_single_worker_bytes(tmp_path: Path) -> None:
-    import transformers
-
     from ckptconv.engine.layouts.api import convert_model
 
-    config = transformers.LlamaConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")  # about 8 MB
+    _llama(tmp_path / "hf", hidden=256)  # about 8 MB
     convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
     cs = str(next((tmp_path / "cs").glob("*.mdl")))
     yaml = str(next((tmp_path / "cs").glob("*.yaml")))
