@@ -41,3 +41,11 @@ def test_unexpected_exception_is_not_mistaken_for_an_answer(pair, capsys, monkey
     monkeypatch.setenv("CKPTCONV_TRACEBACK", "1")
     assert main(["diff", *pair]) == EXIT_INTERNAL_ERROR
     assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--rtol", "--atol"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_tolerance_that_is_no_tolerance_is_a_typed_error(pair, capsys, flag, value):
+    argv = ["diff", *pair, "--tensor_comparison_op", "allclose", flag, value]
+    assert main(argv) == EXIT_ERROR
+    assert "error [invalid_request]" in capsys.readouterr().err

@@ -12,6 +12,7 @@ so memory stays at the two tensors being compared.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -76,6 +77,9 @@ def diff_checkpoints(
     """Compare checkpoint ``a`` with ``b`` (local paths or URIs, formats detected unless given)."""
     if op not in ("equal", "allclose"):
         raise InvalidRequest(f"unknown tensor comparison {op!r}", hint="use equal or allclose")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if not 0 <= value < math.inf:  # also refuses NaN
+            raise InvalidRequest(f"{name} must be a finite number >= 0, not {value}", hint=f"e.g. --{name} 1e-5")
     src_a = open_source(a, format_a, allow_incomplete=allow_incomplete)
     try:
         src_b = open_source(b, format_b, allow_incomplete=allow_incomplete)
