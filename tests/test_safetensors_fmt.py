@@ -420,6 +420,10 @@ class CountingS3(S3Storage):
         self.reads.append((offset, len(memoryview(buf).cast("B"))))
         super().read_into(uri, offset, buf)
 
+    def read_head(self, uri: str, length: int, *, offset: int = 0):  # one GET of its own
+        self.reads.append((offset, length))
+        return super().read_head(uri, length, offset=offset)
+
 
 @pytest.mark.parametrize("shard_size", [None, 100])
 def test_s3_round_trip(s3_bucket: str, shard_size: int | None) -> None:

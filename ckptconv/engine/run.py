@@ -75,7 +75,7 @@ def source_facts(src: TensorSource) -> dict[str, Any]:
     out = []
     for uri in files:
         try:
-            info = src.storage.stat(uri)
+            info = src.file_info(uri)
             out.append({"uri": uri, "size": info.size, "etag": info.etag})
         except ObjectNotFound:
             out.append({"uri": uri})

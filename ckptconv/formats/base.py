@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from ckptconv.formats.layout import FileLayout
     from ckptconv.formats.tree import TreeSpec
-    from ckptconv.storage.base import Storage
+    from ckptconv.storage.base import ObjectInfo, Storage
 
 EntryKind = Literal["tensor", "array", "value", "object", "link"]
 
@@ -155,6 +155,17 @@ class TensorSource(abc.ABC):
     def files(self) -> list[str]:
         """URIs of every file this checkpoint consists of (shards, index), for provenance."""
         return [self.uri]
+
+    def file_info(self, uri: str) -> ObjectInfo:
+        """Size and ETag of one of ``files()``: as learned while opening it (the ranged read of a
+        header tells both), else asked of the storage."""
+        known: dict[str, ObjectInfo] = self.__dict__.get("_file_infos", {})
+        return known.get(uri) or self.storage.stat(uri)
+
+    def learned(self, info: ObjectInfo | None) -> None:
+        """Keep what reading a file told about it, so provenance need not ask the storage again."""
+        if info is not None:
+            self.__dict__.setdefault("_file_infos", {})[info.uri] = info
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

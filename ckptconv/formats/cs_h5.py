@@ -90,6 +90,7 @@ class CsH5Source(TensorSource):
     def __init__(self, storage: Any, uri: str, *, allow_incomplete: bool = False, threads: int = 2) -> None:
         super().__init__(storage, uri)
         self.h5 = H5File(storage, uri, threads=threads)
+        self.learned(self.h5.info)
         try:
             with damaged_as_corrupt(uri):
                 self.version = read_format_version(self.h5)

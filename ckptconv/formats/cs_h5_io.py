@@ -13,6 +13,7 @@ bounded by their time limit, which ends the worker process.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from ckptconv.formats.cs_base import cast_array
 from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, stored_chunks
 from ckptconv.formats.cs_serializers import stored_numpy_dtype
 from ckptconv.formats.memory import empty_tensor
+from ckptconv.storage.base import RangeReader
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +52,9 @@ def damaged_as_corrupt(uri: str) -> Iterator[None]:
         raise CorruptCheckpoint(f"{uri}: the HDF5 structure is damaged ({type(e).__name__}: {e})") from None
 
 
+# The first read of a remote file, as RangeReader's sequential read-ahead.
+FIRST_READ = 8 << 20
+
 # Attribute type classes a checkpoint may hold (bools are h5py enums over integers).
 _ATTR_CLASSES = {h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING, h5py.h5t.ENUM, h5py.h5t.OPAQUE}
 _ATTR_CLASS_NAMES = {
@@ -71,9 +76,16 @@ class H5File:
         self.uri = uri
         self._fd: int | None = None
         self._reader: Any = None
-        info = storage.stat(uri)  # ObjectNotFound when absent
-        self.size = info.size
         path = storage.local_path(uri)
+        head = b""
+        if path is None:
+            # The front of the file (superblock, root group, usually its attributes) and its size
+            # in one request; ObjectNotFound when absent.
+            head, info = storage.read_head(uri, FIRST_READ)
+        else:
+            info = storage.stat(uri)  # ObjectNotFound when absent
+        self.info = info
+        self.size = info.size
         try:
             if path is not None:
                 self.file = h5py.File(path, "r")
@@ -83,7 +95,7 @@ class H5File:
                     os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 self.chunks = ChunkReader(file_size=self.size, pread_fd=self._fd, threads=threads)
             else:
-                self._reader = storage.open_reader(uri)
+                self._reader = io.BufferedReader(RangeReader(storage, uri, self.size, first_block=head), 64 << 10)
                 self.file = h5py.File(self._reader, "r")
                 self.chunks = ChunkReader(
                     file_size=self.size,

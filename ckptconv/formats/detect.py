@@ -47,9 +47,12 @@ def check_format(name: str) -> str:
 
 def detect_source_format(storage: Storage, uri: str) -> str:
     """The format of the checkpoint at ``uri`` (a file, an index file, a directory or a prefix)."""
-    if storage.exists(uri):
+    try:
+        head: bytes | None = storage.read_head(uri, HEAD_BYTES)[0]  # one request, where there is a file
+    except ObjectNotFound:
+        head = None
+    if head is not None:
         by_name = format_from_name(uri)
-        head = storage.read_range(uri, 0, min(HEAD_BYTES, storage.stat(uri).size))
         by_magic = _format_from_magic(head)
         if by_magic and by_name and by_name != by_magic and FORMATS[by_name].sniff is not None:
             # A name can lie (a .bin that is safetensors); the bytes cannot. A format without a

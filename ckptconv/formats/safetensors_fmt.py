@@ -74,7 +74,7 @@ from ckptconv.formats.signatures import JSON_WHITESPACE, SAFETENSORS_MAX_HEADER
 from ckptconv.formats.tree import TreeSpec
 
 if TYPE_CHECKING:
-    from ckptconv.storage.base import Storage
+    from ckptconv.storage.base import ObjectInfo, Storage
 
 # ckptconv dtype name <-> safetensors dtype code.
 ST_DTYPES: dict[str, str] = {
@@ -110,6 +110,7 @@ class Header:
     uri: str
     slots: dict[str, Slot]  # in data-offset order
     metadata: dict[str, str]
+    file: ObjectInfo  # the file's size and ETag, learned with its first bytes
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -131,24 +132,27 @@ HEAD_READ = 64 << 10
 
 
 def read_headers(storage: Storage, uris: list[str]) -> list[Header]:
-    """The headers of several files (an index's shards), read in parallel."""
-    if len(uris) <= 1:
+    """The headers of several files (an index's shards), read in parallel: as many at once as the
+    storage serves reads (on S3 each is one GET, taking one of its GET slots)."""
+    workers = min(storage.read_parallelism, len(uris))
+    if workers <= 1:
         return [read_header(storage, u) for u in uris]
-    with ThreadPoolExecutor(max_workers=min(8, len(uris)), thread_name_prefix="st-headers") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="st-headers") as pool:
         return list(pool.map(lambda u: read_header(storage, u), uris))
 
 
 def read_header(storage: Storage, uri: str, *, base: int = 0) -> Header:
-    """Read and validate the header of one safetensors file (usually one ranged read).
+    """Read and validate the header of one safetensors file (usually one request: a ranged read
+    that also tells the file's size).
 
     ``base``: the safetensors data starts at this byte of ``uri`` and runs to its end (as in the
     ``.distcp`` files of a distributed checkpoint saved in DCP's safetensors format); the slots
     returned are offsets in ``uri``.
     """
-    size = storage.stat(uri).size - base
+    head, file = storage.read_head(uri, HEAD_READ, offset=base)
+    size = file.size - base
     if size < 8:
         raise CorruptCheckpoint(f"{uri} is {size} bytes: too short for a safetensors file")
-    head = storage.read_range(uri, base, min(size, HEAD_READ))
     (n,) = struct.unpack("<Q", head[:8])
     if n > MAX_HEADER:
         raise CorruptCheckpoint(f"{uri}: header length {n} exceeds the {MAX_HEADER}-byte limit")
@@ -204,7 +208,7 @@ def read_header(storage: Storage, uri: str, *, base: int = 0) -> Header:
     if cursor != data_len:
         raise CorruptCheckpoint(f"{uri}: the tensors cover {cursor} bytes of a {data_len}-byte data area")
     ordered = {key: slots[key] for _, _, key in spans}
-    return Header(uri, ordered, metadata)
+    return Header(uri, ordered, metadata, file)
 
 
 def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:
@@ -241,9 +245,11 @@ class SafetensorsSource(TensorSource):
         self._files = [self.path]
         if self.path.endswith(".index.json"):
             index = read_index(storage, self.path)
+            self.learned(index.file)
             self._files += index.shards
             slots: dict[str, Slot] = {}
             for header in read_headers(storage, index.shards):
+                self.learned(header.file)
                 for key, slot in header.slots.items():
                     if key in slots:
                         raise CorruptCheckpoint(f"{key!r} is stored in both {slots[key].uri} and {slot.uri}")
@@ -254,6 +260,7 @@ class SafetensorsSource(TensorSource):
             metadata: dict[str, Any] = index.metadata
         else:
             header = read_header(storage, self.path)
+            self.learned(header.file)
             slots, metadata = header.slots, header.metadata
         raw = metadata.get(RECORD_KEY)
         record = parse_record(raw, self.path) if raw is not None else None

@@ -37,12 +37,13 @@ if TYPE_CHECKING:
     import torch
 
     from ckptconv.formats.layout import FileLayout
-    from ckptconv.storage.base import Storage, Writer
+    from ckptconv.storage.base import ObjectInfo, Storage, Writer
 
 T = TypeVar("T")
 
 # Index files are JSON that is parsed whole; real ones are a few MB even for 100k tensors.
 MAX_INDEX_BYTES = 256 << 20
+INDEX_HEAD_READ = 4 << 20  # the first read of an index: all of nearly every real one
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class ShardIndex:
     uri: str
     weight_map: dict[str, str]  # key -> shard URI (already confined under the index's directory)
     metadata: dict[str, Any] = field(default_factory=dict)
+    file: ObjectInfo | None = None  # the index file's own size and ETag, learned as it was read
 
     @property
     def shards(self) -> list[str]:
@@ -168,10 +170,14 @@ def index_bytes(weight_map: dict[str, str], total_size: int, metadata: dict[str,
 
 def read_index(storage: Storage, uri: str) -> ShardIndex:
     """Parse and validate an index file; shard names are confined under its directory."""
-    size = storage.stat(uri).size
+    # One request for the usual index (its size comes with its first bytes); a larger one takes a second.
+    raw, info = storage.read_head(uri, INDEX_HEAD_READ)
+    size = info.size
     if size > MAX_INDEX_BYTES:
         raise CorruptCheckpoint(f"index file {uri} is {size} bytes, more than an index can be")
-    doc = load_json(storage.read_range(uri, 0, size), what=f"index file {uri}", max_bytes=MAX_INDEX_BYTES)
+    if len(raw) < size:
+        raw += storage.read_range(uri, len(raw), size - len(raw))
+    doc = load_json(raw, what=f"index file {uri}", max_bytes=MAX_INDEX_BYTES)
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise CorruptCheckpoint(f"index file {uri} has no weight_map object")
     metadata = doc.get("metadata", {})
@@ -186,7 +192,7 @@ def read_index(storage: Storage, uri: str) -> ShardIndex:
         if name not in confined:
             confined[name] = storage.join(base, name)  # PathEscape for '../x', '/etc/x', ...
         weight_map[key] = confined[name]
-    return ShardIndex(uri, weight_map, metadata)
+    return ShardIndex(uri, weight_map, metadata, info)
 
 
 def find_checkpoint(storage: Storage, uri: str, naming: ShardNaming, suffixes: tuple[str, ...]) -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ckptconv.core.errors import ObjectNotFound
+from ckptconv.storage.ranges import check_range
 
 BLOCK_SIZE = 8 << 20
 
@@ -125,6 +126,17 @@ class Storage(abc.ABC):
         """A whole (small) object: indexes, configs, headers. Never used for tensor data."""
         return self.read_range(uri, 0, self.stat(uri).size)
 
+    def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
+        """Up to ``length`` bytes from ``offset`` (fewer where the object ends first, none past its
+        end) and the object's info: what opening a file reads (a header and its length prefix).
+
+        Object stores override it to answer with one ranged GET, whose headers carry the size and
+        ETag, instead of a HEAD and a GET: a plan over many shards pays per request."""
+        check_range(uri, offset, length)
+        info = self.stat(uri)
+        n = max(0, min(length, info.size - offset))
+        return (self.read_range(uri, offset, n) if n else b""), info
+
     @abc.abstractmethod
     def open_reader(self, uri: str) -> BinaryIO:
         """A seekable, read-only binary file object over the object."""
@@ -187,9 +199,10 @@ class RangeReader(io.RawIOBase):
     scattered between its datasets: fetching 8 MiB for each cost a plan over S3 most of the file).
     The ``cached_blocks`` most recently used blocks are kept, so memory stays bounded by about
     ``block_size + cached_blocks * jump_block``; reads of ``block_size`` or more go straight to
-    storage. With ``start``, the reader is a window: position 0 is byte ``start`` of the object and
-    ``size`` bytes follow (a file stored inside another, such as the records of a PyTorch
-    distributed checkpoint).
+    storage. ``first_block``: the object's first bytes when the caller has them already (a
+    ``Storage.read_head``, which told the size too). With ``start``, the reader is a window:
+    position 0 is byte ``start`` of the object and ``size`` bytes follow (a file stored inside
+    another, such as the records of a PyTorch distributed checkpoint).
     """
 
     def __init__(
@@ -202,6 +215,7 @@ class RangeReader(io.RawIOBase):
         start: int = 0,
         jump_block: int = 256 << 10,
         cached_blocks: int = 32,
+        first_block: bytes | None = None,
     ) -> None:
         super().__init__()
         self._storage = storage
@@ -215,6 +229,9 @@ class RangeReader(io.RawIOBase):
         self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # start -> bytes, LRU order
         self._last_end: int | None = None  # where the last fetched block ended
         self.fetches = 0  # ranged reads made (for tests)
+        if first_block:  # the object's first bytes, already read by the caller (with its size)
+            self._blocks[0] = first_block
+            self._last_end = len(first_block)
 
     def readable(self) -> bool:
         return True

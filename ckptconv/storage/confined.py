@@ -102,6 +102,10 @@ class ConfinedStorage(Storage):
         self._check(uri)
         return self.inner.read_all(uri)
 
+    def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
+        self._check(uri)
+        return self.inner.read_head(uri, length, offset=offset)
+
     def open_reader(self, uri: str) -> BinaryIO:
         self._check(uri)
         return self.inner.open_reader(uri)

@@ -159,6 +159,23 @@ class StorageTests:
             assert storage.read_range(uri, offset, 50) == data[offset : offset + 50]
         assert storage.read_all(uri) == data
 
+    def test_read_head_tells_the_size_with_the_first_bytes(self, store):
+        storage, base = store
+        uri = storage.join(base, "head")
+        data = payload(1000)
+        info = storage.write_bytes(uri, data)
+        for offset, length, want in ((0, 10, data[:10]), (990, 64, data[990:]), (0, 4096, data), (1000, 8, b"")):
+            got, head = storage.read_head(uri, length, offset=offset)
+            assert got == want
+            assert (head.uri, head.size, head.etag) == (uri, 1000, info.etag)
+        got, head = storage.read_head(uri, 8, offset=5000)  # past the end: nothing, still the size
+        assert (got, head.size) == (b"", 1000)
+        empty = storage.join(base, "empty-head")
+        storage.write_bytes(empty, b"")
+        assert storage.read_head(empty, 8)[0] == b"" and storage.read_head(empty, 8)[1].size == 0
+        with pytest.raises(ObjectNotFound):
+            storage.read_head(storage.join(base, "no-head"), 8)
+
     # --- reading errors --------------------------------------------------------------------------
 
     def test_short_read_is_corrupt_checkpoint(self, store):

@@ -79,6 +79,38 @@ class RangedGets:
                 f.cancel()
             concurrent.futures.wait(futures)  # no part may write into the buffer after we return
 
+    def read_head(self, uri: str, bucket: str, key: str, offset: int, length: int) -> tuple[bytes, dict[str, Any]]:
+        """Up to ``length`` bytes from ``offset`` with one GET (in a slot, retried), and the response's
+        facts: ``size`` (from its Content-Range), ``etag``, ``mtime``. ``size`` is None when the
+        range starts at or past the end (the server refuses it) or no size was announced."""
+
+        def attempt() -> tuple[bytes, dict[str, Any]]:
+            with self._slots:
+                try:
+                    r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+                except ClientError as e:
+                    code, status = error_code(e)
+                    if code == "InvalidRange" or status == 416:
+                        return b"", {"size": None}
+                    raise
+                body = r["Body"]
+                try:
+                    skip, last, total = _served_range(r.get("ContentRange"), offset)
+                    data = body.read()
+                finally:
+                    body.close()
+            announced = r.get("ContentLength")
+            if announced is not None and len(data) != int(announced):
+                raise TruncatedResponse(f"the body ended after {len(data)} of {announced} bytes")
+            facts = {"etag": r.get("ETag"), "mtime": r.get("LastModified")}
+            if last is None:  # the server ignored Range and sent the whole object
+                return data[skip : skip + length], {**facts, "size": len(data)}
+            if len(data) != last - offset + 1:
+                raise TruncatedResponse(f"the body has {len(data)} bytes for the range {offset}-{last}")
+            return data[:length], {**facts, "size": total}
+
+        return self.retried(uri, attempt, "get_object")
+
     def _parts_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:

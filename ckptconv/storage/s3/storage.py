@@ -193,6 +193,20 @@ class S3Storage(Storage):
         bucket, key = self._object(uri)
         self._gets.read_into(uri, bucket, key, offset, view)
 
+    def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
+        """One ranged GET: the bytes and, from its headers, the object's size, ETag and mtime (no HEAD)."""
+        check_range(uri, offset, length)
+        bucket, key = self._object(uri)
+        if length == 0:
+            return b"", self.stat(uri)
+        data, facts = self._gets.read_head(uri, bucket, key, offset, length)
+        if facts["size"] is None or facts.get("mtime") is None:  # past the end, or a sparse answer
+            return data, self.stat(uri)
+        info = ObjectInfo(
+            uri=uri, size=int(facts["size"]), etag=clean_etag(facts["etag"]), mtime=facts["mtime"].timestamp()
+        )
+        return data, info
+
     @property
     def read_concurrency(self) -> int:
         """Ranged GETs in flight at most."""

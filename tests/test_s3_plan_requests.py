@@ -1,0 +1,121 @@
+"""Planning over S3 costs few requests, as the S3 server's own request log counts them.
+
+Object stores charge latency (and money) per request: a plan over a checkpoint of many shards
+should need about one request per shard (its header, whose ranged GET also tells the shard's
+size), and an H5 file's scattered metadata should come in a few large reads. The counts are read
+from moto's access log, so every request is seen, whichever part of the code sent it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from s3_access_log import AccessLoggedS3
+from safetensors.torch import save
+
+from ckptconv.engine.convert import convert, plan_conversion
+
+_AWS = {"AWS_ENDPOINT_URL": None, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("plan-requests")
+    s3 = AccessLoggedS3(tmp / "s3-access.log")
+    saved = {k: os.environ.get(k) for k in (*_AWS, "AWS_DEFAULT_REGION")}
+    os.environ.update({**_AWS, "AWS_ENDPOINT_URL": s3.endpoint})
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    bucket = f"plan-{uuid.uuid4().hex[:10]}"
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    client.create_bucket(Bucket=bucket)
+    try:
+        yield {"s3": s3, "bucket": bucket, "client": client, "tmp": tmp}
+    finally:
+        s3.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _requests_of(logged: dict[str, Any], run: Any) -> list[tuple[str, str]]:
+    """(method, key) of every request the server logged while ``run()`` ran."""
+    s3: AccessLoggedS3 = logged["s3"]
+    since = s3.offset()
+    run()
+    return [(method, key) for method, bucket, key, _ in s3.requests(since) if bucket == logged["bucket"]]
+
+
+def _sharded(logged: dict[str, Any], prefix: str, shards: int) -> str:
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {f"layers.{i}.w{j}": torch.randn(64, 64, generator=g) for j in range(20)}
+        logged["client"].put_object(Bucket=logged["bucket"], Key=f"{prefix}/{name}", Body=save(tensors))
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}).encode()
+    key = f"{prefix}/model.safetensors.index.json"
+    logged["client"].put_object(Bucket=logged["bucket"], Key=key, Body=index)
+    return f"s3://{logged['bucket']}/{key}"
+
+
+def test_a_plan_over_shards_needs_one_request_per_shard(logged: dict[str, Any]) -> None:
+    shards = 6
+    uri = _sharded(logged, "st", shards)
+    plans: list[dict[str, Any]] = []
+    seen = _requests_of(logged, lambda: plans.append(plan_conversion(uri, to="cs-h5")))
+    assert plans[0]["ok"], plans[0]
+    shard_requests = [(m, k) for m, k in seen if k.endswith(".safetensors")]
+    # One ranged GET per shard: its Content-Range tells the size, so no HEAD goes with it.
+    assert sorted(shard_requests) == sorted(
+        ("GET", f"st/model-{i:05d}-of-{shards:05d}.safetensors") for i in range(1, shards + 1)
+    ), seen
+    # The index: its format sniffed, found (HEAD) and read with one GET.
+    assert len(seen) <= shards + 3, seen
+
+
+def test_a_plan_over_one_safetensors_file_is_three_requests(logged: dict[str, Any]) -> None:
+    key = "single/model.safetensors"
+    logged["client"].put_object(Bucket=logged["bucket"], Key=key, Body=save({"w": torch.zeros(256, 256)}))
+    plans: list[dict[str, Any]] = []
+    seen = _requests_of(logged, lambda: plans.append(plan_conversion(f"s3://{logged['bucket']}/{key}", to="cs-h5")))
+    assert plans[0]["ok"], plans[0]
+    # Its format sniffed from its first bytes, found, and its header read (with its size: no HEAD).
+    assert seen == [("GET", key), ("HEAD", key), ("GET", key)], seen
+
+
+@pytest.mark.parametrize("layout", ["chunked", "contiguous"])
+def test_a_plan_over_an_h5_file_reads_its_metadata_in_few_requests(logged: dict[str, Any], layout: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"layers.{i}.w": torch.randn(256, 1024, generator=g) for i in range(40)}  # 1 MiB each
+    tmp: Path = logged["tmp"]
+    st = tmp / f"{layout}.safetensors"
+    st.write_bytes(save(tensors))
+    if layout == "chunked":  # the local default: object headers between the datasets
+        local = tmp / f"{layout}.mdl"
+        convert(str(st), str(local), to="cs-h5")
+        key = f"h5/{layout}.mdl"
+        logged["client"].put_object(Bucket=logged["bucket"], Key=key, Body=local.read_bytes())
+    else:  # the S3 default, written by ckptconv straight to the store
+        key = f"h5/{layout}/model.mdl"
+        convert(str(st), f"s3://{logged['bucket']}/{key}", to="cs-h5")
+    plans: list[dict[str, Any]] = []
+    seen = _requests_of(
+        logged, lambda: plans.append(plan_conversion(f"s3://{logged['bucket']}/{key}", to="safetensors"))
+    )
+    assert plans[0]["ok"], plans[0]
+    assert {m for m, _ in seen} == {"GET"}, seen  # the size comes with the first GET
+    if layout == "contiguous":  # every object header at the front
+        assert len(seen) <= 3, seen
+    else:  # one small read per object header found between the datasets, none for the data
+        assert len(seen) <= len(tensors) + 2, seen
