@@ -386,13 +386,11 @@ def test_cancel_queued_running_and_finished_jobs(api) -> None:
     assert_problem(api.client.post(f"/v1/jobs/{done['id']}/cancel", headers=api.a), 409, "conflict")
 
 
-def test_event_stream_replays_history_and_ends_with_the_job(api) -> None:
-    store = JobStore(api.redis, api.keys)
-    job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
-    events: list[tuple[str, dict]] = []
+def _follow_in_thread(api, job_id: str, headers: dict, events: list[tuple[str, dict]]) -> threading.Thread:
+    """Read the job's event stream into ``events`` (name, data) on a thread, until it ends."""
 
     def follow() -> None:
-        with api.client.stream("GET", f"/v1/jobs/{job['id']}/events", headers=api.a) as r:
+        with api.client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             name = None
             for line in r.iter_lines():
@@ -403,6 +401,14 @@ def test_event_stream_replays_history_and_ends_with_the_job(api) -> None:
 
     t = threading.Thread(target=follow)
     t.start()
+    return t
+
+
+def test_event_stream_replays_history_and_ends_with_the_job(api) -> None:
+    store = JobStore(api.redis, api.keys)
+    job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
+    events: list[tuple[str, dict]] = []
+    t = _follow_in_thread(api, job["id"], api.a, events)
     time.sleep(0.5)
     store.transition(job["id"], ("queued",), "running")
     store.progress(
@@ -424,19 +430,7 @@ def test_a_hostile_last_event_id_resumes_from_now(api, last_event_id: str) -> No
     store = JobStore(api.redis, api.keys)
     job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
     events: list[tuple[str, dict]] = []
-
-    def follow() -> None:
-        headers = {**api.a, "Last-Event-ID": last_event_id}
-        with api.client.stream("GET", f"/v1/jobs/{job['id']}/events", headers=headers) as r:
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event:"):
-                    name = line[6:].strip()
-                elif line.startswith("data:"):
-                    events.append((name, json.loads(line[5:])))
-
-    t = threading.Thread(target=follow)
-    t.start()
+    t = _follow_in_thread(api, job["id"], {**api.a, "Last-Event-ID": last_event_id}, events)
     time.sleep(0.5)
     store.transition(job["id"], ("queued",), "running")
     store.transition(job["id"], ("running",), "succeeded", {"result": {"outputs": []}})

@@ -144,6 +144,19 @@ def test_delivery_rechecks_the_name_and_connects_to_the_address_it_checked() -> 
         resolve_destination("http://hooks.example.test/", allow_private=False, getaddrinfo=two)
 
 
+def _ended_job_with_hook(svc: Service, auth: dict[str, str], port: int) -> dict[str, Any]:
+    """A job with a webhook to ``port`` on loopback, cancelled at once: it ends either way, so the hook fires."""
+    body = {
+        "kind": "convert",
+        "source": {"uri": f"s3://{svc.bucket}/team/in.safetensors"},
+        "target": {"uri": f"s3://{svc.bucket}/team/out/model.mdl", "format": "cs-h5"},
+        "webhook": {"url": f"http://127.0.0.1:{port}/hook", "secret": SECRET},
+    }
+    job = httpx.post(svc.url + "/v1/jobs", json=body, headers=auth).raise_for_status().json()
+    httpx.post(f"{svc.url}/v1/jobs/{job['id']}/cancel", headers=auth)
+    return job
+
+
 def test_a_worker_retries_connect_errors_and_5xx_until_delivered(redis_url: str, tmp_path: Path) -> None:
     svc = Service(redis_url, f"wh-{uuid.uuid4().hex[:8]}", tmp_path)
     port = free_port()  # nothing listens there yet: the first attempts cannot connect
@@ -151,14 +164,7 @@ def test_a_worker_retries_connect_errors_and_5xx_until_delivered(redis_url: str,
     server = None
     try:
         svc.start_worker()
-        body = {
-            "kind": "convert",
-            "source": {"uri": f"s3://{svc.bucket}/team/in.safetensors"},
-            "target": {"uri": f"s3://{svc.bucket}/team/out/model.mdl", "format": "cs-h5"},
-            "webhook": {"url": f"http://127.0.0.1:{port}/hook", "secret": SECRET},
-        }
-        job = httpx.post(svc.url + "/v1/jobs", json=body, headers=auth).raise_for_status().json()
-        httpx.post(f"{svc.url}/v1/jobs/{job['id']}/cancel", headers=auth)  # ended either way: the hook fires
+        job = _ended_job_with_hook(svc, auth, port)
 
         def hook() -> dict[str, Any]:
             return httpx.get(f"{svc.url}/v1/jobs/{job['id']}", headers=auth).json()["webhook"]
@@ -237,14 +243,7 @@ def test_a_redelivered_webhook_message_never_goes_past_the_attempt_budget(
     auth = {"Authorization": f"Bearer {svc.key}"}
     try:
         worker = svc.start_worker()
-        body = {
-            "kind": "convert",
-            "source": {"uri": f"s3://{svc.bucket}/team/in.safetensors"},
-            "target": {"uri": f"s3://{svc.bucket}/team/out/model.mdl", "format": "cs-h5"},
-            "webhook": {"url": f"http://127.0.0.1:{server.server_port}/hook", "secret": SECRET},
-        }
-        job = httpx.post(svc.url + "/v1/jobs", json=body, headers=auth).raise_for_status().json()
-        httpx.post(f"{svc.url}/v1/jobs/{job['id']}/cancel", headers=auth)  # ended either way: the hook fires
+        job = _ended_job_with_hook(svc, auth, server.server_port)
 
         def handled() -> int:  # deliver_webhook messages the worker finished with (retries are not counted)
             log = Path(worker.log_path).read_text()  # type: ignore[attr-defined]
