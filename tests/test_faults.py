@@ -405,13 +405,13 @@ def test_the_job_deadline_fires_first_and_leaves_nothing_at_the_target(service: 
 class PrivateRedis:
     """A redis-server of the test's own (with an append-only file, or with no persistence at all)."""
 
-    def __init__(self, data: Path, *, aof: bool) -> None:
+    def __init__(self, data: Path, *, aof: bool, save: str = "", extra: tuple[str, ...] = ()) -> None:
         from conftest import free_port
 
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(data)]
-        self.argv += ["--appendonly", "yes" if aof else "no", "--save", ""]
+        self.argv += ["--appendonly", "yes" if aof else "no", "--save", save, *extra]
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
@@ -597,6 +597,34 @@ def test_production_is_not_ready_on_a_redis_without_persistence(
         assert "persistence" not in answers[False].text
     finally:
         volatile.stop()
+
+
+@pytest.mark.parametrize(
+    ("options", "logged"),
+    [
+        ({"save": "3600 1"}, "persists by snapshots only"),  # snapshots alone: ready, the cost logged
+        ({"extra": ("--rename-command", "CONFIG", "")}, "assuming it does"),  # a managed Redis hides CONFIG
+    ],
+)
+def test_production_is_ready_on_a_redis_with_snapshots_or_one_that_hides_its_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, options: dict, logged: str
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from ckptconv.core.settings import Settings
+    from service.app import create_app
+
+    server = PrivateRedis(tmp_path, aof=False, **options)
+    try:
+        settings = Settings(
+            environment="production", redis_url=server.url, webhook_secret="whsec_" + "cHJvZHVjdGlvbi1zZWNyZXQ=" * 2
+        )
+        with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+            answer = c.get("/readyz")
+        assert answer.status_code == 200 and answer.json() == {"status": "ready"}, answer.text
+        assert logged in caplog.text
+    finally:
+        server.stop()
 
 
 def test_a_plan_answers_while_every_conversion_worker_is_busy(redis_url: str, bucket: str, tmp_path: Path) -> None:
