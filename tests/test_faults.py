@@ -157,6 +157,19 @@ def test_an_unreachable_object_store_at_submit_is_a_503_with_retry_after(api: Se
     assert r.status_code == 503 and r.json()["code"] == "storage_unavailable", r.text
     assert int(r.headers["retry-after"]) > 0 and r.json()["correlation_id"]
 
+    # A retry of a submission that did make a job gets that job back, outage or not.
+    body = {
+        "kind": "convert",
+        "source": {"uri": f"s3://{api.bucket}/team/in/model.safetensors"},
+        "target": {"uri": f"s3://{api.bucket}/team/made-before/model.mdl", "format": "cs-h5"},
+    }
+    headers = {"Authorization": f"Bearer {api.key}", "Idempotency-Key": f"outage-{uuid.uuid4().hex[:8]}"}
+    made = httpx.post(api.url + "/v1/jobs", json=body, headers=headers, timeout=30)
+    assert made.status_code == 202, made.text
+    again = httpx.post(url + "/v1/jobs", json=body, headers=headers, timeout=30)
+    assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true", again.text
+    assert again.json()["id"] == made.json()["id"]
+
 
 # --- publication never replaces bytes it did not write -----------------------------------------
 
