@@ -74,6 +74,17 @@ def test_private_loopback_and_link_local_webhooks_are_refused_at_submit(producti
     assert client.get("/v1/jobs", headers=auth).json()["jobs"] == []
 
 
+def test_a_refused_webhook_never_tells_the_submitter_where_a_name_points(production_api) -> None:
+    # The submitter chose the name; the address it has inside the service's network is not theirs to learn.
+    client, auth = production_api
+    doc = assert_problem(
+        client.post("/v1/jobs", json=job_body(webhook={"url": "http://localhost/hook"}), headers=auth),
+        422,
+        "webhook_refused",
+    )
+    assert "127.0.0.1" not in json.dumps(doc) and "::1" not in json.dumps(doc), doc
+
+
 def test_a_public_webhook_is_accepted(production_api) -> None:
     client, auth = production_api
     r = client.post("/v1/jobs", json=job_body(webhook={"url": "https://93.184.216.34/hook"}), headers=auth)

@@ -20,6 +20,7 @@ import base64
 import hashlib
 import hmac
 import ipaddress
+import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,8 @@ from urllib.parse import urlsplit
 from ckptconv.core.errors import ServiceUnavailable, Unauthorized, WebhookRefused
 
 SECRET_PREFIX = "whsec_"
+
+log = logging.getLogger(__name__)
 
 
 def secret_bytes(secret: str) -> bytes:
@@ -121,7 +124,10 @@ def check_addresses(host: str, addresses: list[str], allow_private: bool) -> Non
     for address in addresses:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
         if not ip.is_global or ip.is_multicast:
-            raise WebhookRefused(f"{host} resolves to a non-public address ({ip})")
+            # The address stays in the log: inside the service's network, where a name points is
+            # not the submitter's to learn.
+            log.info("webhook host %s refused: it resolves to %s", host, ip)
+            raise WebhookRefused(f"{host} resolves to a non-public address")
 
 
 def addresses_of(infos: list[Any]) -> list[str]:
