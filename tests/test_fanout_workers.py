@@ -83,7 +83,12 @@ def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.mark.parametrize(
     ("to", "name", "where"),
-    [("cs-h5", "model.mdl", "s3"), ("safetensors", "x", "local"), ("torch", "model.bin", "s3")],
+    [
+        ("cs-h5", "model.mdl", "s3"),
+        ("safetensors", "x", "local"),
+        ("torch", "model.bin", "s3"),
+        ("tf", "ckpt", "local"),
+    ],
 )
 def test_two_workers_commit_the_single_worker_bytes(service: Service, to: str, name: str, where: str) -> None:
     b = service.bucket
@@ -113,7 +118,7 @@ def test_auto_parallelism_follows_the_output_size_and_the_settings_cap(service: 
         assert job["result"]["extras"]["parallelism"] == 3
         assert _sha256s(job) == _single_worker_sha256(source, f"{service.tmp}/out/fan-auto/one", "safetensors")
         # A format that cannot be split: auto runs it as one part, not an error.
-        job = c.submit(source, f"{service.tmp}/out/fan-auto/tf/ckpt", to="tf", options={"parallelism": "auto"})
+        job = c.submit(source, f"{service.tmp}/out/fan-auto/cs", to="cs-s3", options={"parallelism": "auto"})
         job = c.wait(job["id"], timeout=300)
     assert job["state"] == "succeeded", job.get("error")
     assert "parallelism" not in (job["result"].get("extras") or {})

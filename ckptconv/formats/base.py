@@ -273,6 +273,17 @@ class TensorSink(abc.ABC):
         """Files ``finish_skeleton`` wrote whole (an index), with their checksums."""
         return []
 
+    def late_recipe(self) -> dict[str, Any] | None:
+        """After ``finish_skeleton``: what :meth:`late_files` needs to write the files that hold
+        the values' checksums (a TensorFlow bundle's index), as JSON; None when there are none."""
+        return None
+
+    @classmethod
+    def late_files(cls, recipe: dict[str, Any], checksums: dict[str, int]) -> list[tuple[str, bytes, str]]:
+        """``(uri, bytes, role)`` of each file written last, from ``recipe`` and the checksum of
+        every value (by key, as ``FileLayout.checksum`` names it)."""
+        return []
+
     def _reserve(self, key: str) -> None:
         raise SinkProtocolError(f"{self.format} sink: no value can be placed by another process")
 

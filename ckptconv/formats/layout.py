@@ -8,11 +8,14 @@ format also knows up front. A file is then the gaps' bytes and each span's value
 one process writing front to back, or several writing their own byte ranges of one preallocated
 file or multipart upload (``ckptconv.engine.fanout``) produce the same bytes.
 
-A zip archive (a torch file, written with stored entries) places its members up front too, but
-records each member's CRC-32 after its data and again in the central directory. Those four bytes
-are a span of kind ``crc32`` whose source is the member's value: whoever computes the value writes
-them. The central directory at the end holds every member's CRC, so it is the file's *tail*: the
-bytes from ``tail`` on are written last, from the CRCs the writers of the rest recorded.
+Some formats also record a checksum of each value (``FileLayout.checksum``): a zip archive (a
+torch file, written with stored entries) the CRC-32 of each member, after its data and again in
+the central directory; a TensorFlow bundle the CRC-32C of each tensor, in its index. Whoever
+computes a value computes its checksum. A zip's CRC fields are spans of kind ``crc32`` whose
+source is the member's value; the central directory at the end holds every member's CRC, so it
+is the file's *tail*: the bytes from ``tail`` on are written last, from the checksums the writers
+of the rest recorded. A bundle's index is written last the same way, by the format
+(:meth:`~ckptconv.formats.base.TensorSink.late_files`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from ckptconv.formats.base import OpaqueObject
 from ckptconv.formats.sharding import tensor_view
+from ckptconv.formats.tf_table import crc32c_extend
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Span:
 
 DATA = "data"
 CRC32 = "crc32"
+CHECKSUMS = {"crc32": zlib.crc32, "crc32c": lambda data: crc32c_extend(0, data)}
 
 
 @dataclass
@@ -46,12 +51,14 @@ class FileLayout:
     """One output file: its URI, size, and value spans (sorted by offset, never overlapping).
 
     ``tail``: where the bytes that depend on every value start (None: no such bytes); they hold
-    only gaps and ``crc32`` spans."""
+    only gaps and ``crc32`` spans. ``checksum``: what the format records of each value whose bytes
+    are in the file (a key of :data:`CHECKSUMS`), or None."""
 
     uri: str
     size: int
     spans: list[Span] = field(default_factory=list)
     tail: int | None = None
+    checksum: str | None = None
 
     @property
     def written_by_parts(self) -> int:
@@ -75,12 +82,13 @@ class FileLayout:
             "size": self.size,
             "spans": [[s.key, s.source, s.offset, s.nbytes] + ([s.kind] if s.kind != DATA else []) for s in self.spans],
             "tail": self.tail,
+            "checksum": self.checksum,
         }
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> FileLayout:
         spans = [Span(d[0], d[1], int(d[2]), int(d[3]), *d[4:5]) for d in doc["spans"]]
-        return cls(doc["uri"], int(doc["size"]), spans, doc.get("tail"))
+        return cls(doc["uri"], int(doc["size"]), spans, doc.get("tail"), doc.get("checksum"))
 
 
 class LayoutRecorder:
@@ -101,8 +109,8 @@ class LayoutRecorder:
         self.spans.append(Span(key, key, self.pos, nbytes, kind))
         self.pos += nbytes
 
-    def layout(self, tail: int | None = None) -> FileLayout:
-        return FileLayout(self.uri, self.pos, list(self.spans), tail)
+    def layout(self, tail: int | None = None, checksum: str | None = None) -> FileLayout:
+        return FileLayout(self.uri, self.pos, list(self.spans), tail, checksum)
 
 
 def gap_bytes(layout: FileLayout, read: Any) -> bytes:
@@ -110,15 +118,15 @@ def gap_bytes(layout: FileLayout, read: Any) -> bytes:
     return b"".join(read(start, end) for start, end in layout.gaps())
 
 
-def span_bytes(span: Span, data: memoryview, crcs: dict[str, int]) -> memoryview:
-    """What ``span`` holds for a value whose bytes are ``data``; a CRC is computed once per value
-    and kept in ``crcs`` (by source), which is what the tail is written from."""
+def span_bytes(f: FileLayout, span: Span, data: memoryview, checksums: dict[str, int]) -> memoryview:
+    """What ``span`` of ``f`` holds for a value whose bytes are ``data``. The value's checksum (when
+    the format records one) is computed once and kept in ``checksums`` by source: the tail and the
+    files written last are made from them."""
+    if f.checksum is not None and span.source not in checksums:
+        checksums[span.source] = CHECKSUMS[f.checksum](data)
     if span.kind == DATA:
         return data
-    crc = crcs.get(span.source)
-    if crc is None:
-        crc = crcs[span.source] = zlib.crc32(data)
-    return memoryview(struct.pack("<I", crc))
+    return memoryview(struct.pack("<I", checksums[span.source]))
 
 
 def tail_bytes(layout: FileLayout, gaps: bytes, crcs: dict[str, int]) -> bytes:

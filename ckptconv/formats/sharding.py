@@ -306,11 +306,7 @@ class ShardedSink(TensorSink):
         """Create each local output file of ``files`` preallocated, its ``heads`` bytes in place,
         for the processes that write the rest; write the index (when sharded) whole."""
         try:
-            for (layout, _), head in zip(files, heads, strict=True):
-                if self.storage.local_path(layout.uri) is not None:
-                    with open_output_writer(self.storage, layout.uri, layout.size) as writer:
-                        writer.write(head)
-                    self._skeletons.append(layout.uri)
+            create_local_skeletons(self.storage, [f for f, _ in files], heads, self._skeletons)
             if index is not None:
                 uri, text = index
                 self._outputs.create(uri, role="index").write(text)
@@ -328,6 +324,17 @@ class ShardedSink(TensorSink):
         skeletons, self._skeletons = self._skeletons, []
         for uri in skeletons:
             self.storage.delete(uri)
+
+
+def create_local_skeletons(storage: Storage, files: list[FileLayout], heads: list[bytes], created: list[str]) -> None:
+    """Create each local file of ``files`` preallocated at its size with its ``heads`` bytes first,
+    for the processes that write the rest (ckptconv.engine.fanout); each one's URI is appended to
+    ``created`` at once (what an abort removes)."""
+    for layout, head in zip(files, heads, strict=True):
+        if storage.local_path(layout.uri) is not None:
+            with open_output_writer(storage, layout.uri, layout.size) as writer:
+                writer.write(head)
+            created.append(layout.uri)
 
 
 class HashingWriter:

@@ -31,8 +31,9 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, TensorSink
+from ckptconv.formats.layout import DATA, FileLayout, LayoutRecorder
 from ckptconv.formats.links import link_root
-from ckptconv.formats.sharding import split_by_size
+from ckptconv.formats.sharding import create_local_skeletons, split_by_size
 from ckptconv.formats.tf_bundle_codec import (
     BUNDLE_VERSION,
     JSON_VALUE_TYPES,
@@ -71,6 +72,7 @@ class _Item:
     shard: int = 0
     estimate: int = 0
     stored: BundleEntry | None = None
+    crc_of: str | None = None  # reserved (a skeleton): the key whose value's CRC-32C ``stored`` lacks
     encoding: str | None = None  # objects: OpaqueObject.encoding
     has_data: bool = True  # False: kept in the metadata tensor only
 
@@ -80,7 +82,7 @@ class _ShardState:
     index: int
     staged: str
     final: str
-    writer: Writer
+    writer: Writer | LayoutRecorder
     size: int = 0
 
 
@@ -92,6 +94,9 @@ class TfSink(TensorSink):
     ``shard_by`` (glob patterns of weight names, ``fnmatch`` style where ``*`` also matches ``/``:
     data file ``i`` holds the tensors whose name first matches pattern ``i``, a last file the rest;
     how a model too big for one host is split by layer, e.g. ``["layer_0/*", "layer_1/*"]``).
+    ``skeleton``: lay the data files out for other processes (ckptconv.engine.fanout): tensors are
+    reserved, everything else is written, and the index is written last from their CRC-32Cs
+    (:meth:`late_files`).
     """
 
     format = "tf"
@@ -121,7 +126,7 @@ class TfSink(TensorSink):
 
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
-        unknown = set(options) - {"num_shards", "shard_size", "shard_by"}
+        unknown = set(options) - {"num_shards", "shard_size", "shard_by", "skeleton"}
         if unknown:
             raise InvalidRequest(f"unknown option(s) for the tf format: {', '.join(sorted(unknown))}")
         given = [k for k in ("num_shards", "shard_size", "shard_by") if options.get(k) is not None]
@@ -141,6 +146,10 @@ class TfSink(TensorSink):
         self._open: dict[int, _ShardState] = {}
         self._done: list[_ShardState] = []
         self._finished = False
+        self.skeleton = bool(options.get("skeleton"))
+        self._skeletons: list[str] = []  # preallocated files _finish_skeleton created (abort removes them)
+        self._recipe: dict[str, Any] | None = None
+        self._crc_of: dict[bytes, str | None] = {}  # index key -> the key whose CRC-32C its entry lacks
 
     def _staged(self, final: str) -> str:
         return f"{final}.ckptconv-{self._token}.partial"
@@ -260,6 +269,10 @@ class TfSink(TensorSink):
 
     def _open_shard(self, index: int) -> _ShardState:
         final = data_uri(self.prefix, index, self._num_shards)
+        if self.skeleton:  # laid out, not written; the files are created once complete
+            shard = _ShardState(index, final, final, LayoutRecorder(final))
+            self._open[index] = shard
+            return shard
         staged = self._staged(final)
         shard = _ShardState(index, staged, final, self.storage.open_writer(staged, overwrite=True))
         self._open[index] = shard
@@ -268,7 +281,8 @@ class TfSink(TensorSink):
     def _close_shards(self) -> None:
         for index in sorted(self._open):
             shard = self._open.pop(index)
-            shard.writer.commit()
+            if not isinstance(shard.writer, LayoutRecorder):
+                shard.writer.commit()
             self._done.append(shard)
 
     # -- commit --------------------------------------------------------------------------------
@@ -305,7 +319,8 @@ class TfSink(TensorSink):
         }
         return json.dumps(doc).encode()
 
-    def _commit(self) -> list[OutputFile]:
+    def _finish_data(self) -> dict[bytes, BundleEntry]:
+        """Append the metadata tensor, close every data file; the index's entries by key."""
         stored = [i for i in self._items if i.stored is not None]
         meta = self._metadata()
         if meta is not None:  # appended to the last data file
@@ -315,13 +330,22 @@ class TfSink(TensorSink):
             stored.append(item)
         self._shard_for(self._num_shards - 1)  # opens it when nothing was written (an empty checkpoint)
         self._close_shards()
-        index_items = {i.entry.key.encode(): i.stored.encode() for i in stored}  # type: ignore[union-attr]
+        self._crc_of = {i.entry.key.encode(): i.crc_of for i in stored}
+        entries = {i.entry.key.encode(): i.stored for i in stored}
         for link in self._links:
             target = self._by_key[self._link_roots[link.key]]
             if target.stored is not None:  # a link to a None value lives in the metadata only
-                index_items[link.key.encode()] = target.stored.encode()
-        header = BundleHeader(self._num_shards, LITTLE, VersionDef(BUNDLE_VERSION, 0))
-        table = build_table([(b"", header.encode()), *sorted(index_items.items())])
+                entries[link.key.encode()] = target.stored
+                self._crc_of[link.key.encode()] = target.crc_of
+        return entries  # type: ignore[return-value]
+
+    @staticmethod
+    def _table(entries: dict[bytes, BundleEntry], num_shards: int) -> bytes:
+        header = BundleHeader(num_shards, LITTLE, VersionDef(BUNDLE_VERSION, 0))
+        return build_table([(b"", header.encode()), *sorted((k, e.encode()) for k, e in entries.items())])
+
+    def _commit(self) -> list[OutputFile]:
+        table = self._table(self._finish_data(), self._num_shards)
         idx_final = index_uri(self.prefix)
         idx_staged = self._staged(idx_final)
         self.storage.write_bytes(idx_staged, table, overwrite=True)
@@ -336,7 +360,67 @@ class TfSink(TensorSink):
         out.append(OutputFile(idx_final, len(table), None, "index"))
         return out
 
+    # -- the layout, for outputs written by several processes (ckptconv.engine.fanout) -----------
+
+    def placed_keys(self) -> set[str]:
+        """Tensors: runs of a data file; values and strings are written with the layout."""
+        return {i.entry.key for i in self._items if i.has_data and i.entry.kind in ("tensor", "array")}
+
+    def _reserve(self, key: str) -> None:
+        item = self._by_key[key]
+        e = item.entry
+        shard = self._shard_for(item.shard)
+        assert isinstance(shard.writer, LayoutRecorder), "reserve needs a sink created with skeleton=True"
+        offset, nbytes = shard.size, e.nbytes
+        if nbytes:
+            shard.writer.place(key, nbytes, DATA)
+            item.crc_of = key
+        shard.size += nbytes
+        crc = 0 if nbytes else mask_crc(0)  # an empty tensor's CRC is known
+        item.stored = BundleEntry(DTYPE_TO_TF[str(e.dtype)], tuple(e.shape or ()), item.shard, offset, nbytes, crc)
+
+    def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
+        """Each data file's layout (tensors are spans, the rest gaps) and gap bytes; local data
+        files are created preallocated; the index waits for the tensors' CRC-32Cs (late_files)."""
+        try:
+            entries = self._finish_data()
+            files = []
+            for s in self._done:
+                recorder = s.writer
+                assert isinstance(recorder, LayoutRecorder)
+                files.append((recorder.layout(checksum="crc32c"), bytes(recorder.gaps)))
+            create_local_skeletons(self.storage, [f for f, _ in files], [b""] * len(files), self._skeletons)
+        except BaseException:
+            self.abort()
+            raise
+        self._finished = True
+        self._recipe = {
+            "index": index_uri(self.prefix),
+            "num_shards": self._num_shards,
+            "entries": [
+                [k.decode(), e.dtype, list(e.shape), e.shard_id, e.offset, e.size, e.crc32c, self._crc_of[k]]
+                for k, e in entries.items()
+            ],
+        }
+        return files
+
+    def late_recipe(self) -> dict[str, Any] | None:
+        return self._recipe
+
+    @classmethod
+    def late_files(cls, recipe: dict[str, Any], checksums: dict[str, int]) -> list[tuple[str, bytes, str]]:
+        """The index, each reserved tensor's entry with the CRC-32C of its bytes."""
+        entries = {}
+        for key, dtype, shape, shard, offset, size, crc, crc_of in recipe["entries"]:
+            if crc_of is not None:
+                crc = mask_crc(checksums[crc_of])
+            entries[key.encode()] = BundleEntry(dtype, tuple(shape), shard, offset, size, crc)
+        return [(recipe["index"], cls._table(entries, recipe["num_shards"]), "index")]
+
     def _abort(self) -> None:
+        skeletons, self._skeletons = self._skeletons, []
+        for uri in skeletons:
+            self.storage.delete(uri)
         if self._finished:
             return
         for shard in self._open.values():

@@ -524,7 +524,7 @@ class TorchSink(ShardedSink):
         zw.add(f"{out.prefix}/.data/serialization_id", str(int(digest.hexdigest()[:32], 16)).zfill(40).encode())
         zw.finish()
         if isinstance(zw.out, LayoutRecorder) and self._laid_out is not None:
-            self._laid_out.append((zw.out.layout(tail=zw.cd_start), bytes(zw.out.gaps)))
+            self._laid_out.append((zw.out.layout(tail=zw.cd_start, checksum="crc32"), bytes(zw.out.gaps)))
 
     def _commit(self) -> list[OutputFile]:
         try:

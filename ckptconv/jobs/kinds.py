@@ -117,7 +117,7 @@ Parallelism = Annotated[
     Annotated[int, Field(ge=1, le=MAX_PARALLELISM)] | Literal["auto"],
     Field(
         description="split the conversion into this many parts, balanced by output bytes, run by as many workers"
-        " and committed together (safetensors, cs-h5 and torch targets; a cs-h5 output is then written contiguous,"
+        " and committed together (safetensors, cs-h5, torch and tf targets; a cs-h5 output is then written contiguous,"
         " uncompressed). The output is byte for byte the single-worker output. auto: one part per"
         " CKPTCONV_AUTO_PARALLELISM_PART_BYTES of output (2 GiB), at most CKPTCONV_AUTO_PARALLELISM_MAX (16);"
         " 1 for a target format that cannot be split",

@@ -1,10 +1,11 @@
 """One conversion fanned out across several workers: parts cut by output bytes, one commit.
 
 Formats whose byte layout is known before any value is read (safetensors; Cerebras H5 with
-contiguous datasets; torch zip archives, whose members are stored, see
+contiguous datasets; torch zip archives, whose members are stored; TensorFlow data files, see
 :mod:`ckptconv.formats.layout`) can be written by several processes at once, each its own byte
 ranges. A zip's CRC fields are spans of the value they check; its central directory, which holds
-every CRC, is the file's *tail*, written by the commit (:mod:`ckptconv.engine.fanout.tail`). The
+every CRC, is the file's *tail*, and a bundle's index a *late file*, both written by the commit
+from the checksums the parts record (:mod:`ckptconv.engine.fanout.tail`). The
 flow (all of it inside the job's staging area, under the attempt that runs it, see
 :mod:`ckptconv.engine.run`):
 

@@ -12,7 +12,7 @@ from ckptconv.core.errors import VerificationFailed
 from ckptconv.core.fencing import fence
 from ckptconv.engine.execute import ProgressReporter, VerifyReport, check_written, verify_output
 from ckptconv.engine.fanout.records import _part_uri, _read_doc
-from ckptconv.engine.fanout.tail import write_tails
+from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.run import stage_manifest
 from ckptconv.engine.staging import _Layout
@@ -86,6 +86,7 @@ def _commit(
         if bad:
             raise VerificationFailed(f"{f.uri}: bytes {bad[0][0]}..{bad[0][1]} differ from what their part wrote")
         outputs.append(OutputFile(f.uri, f.size, sha256, "data"))
+    outputs += write_late_files(layout, doc, records, to)
     outputs += [OutputFile(uri, size, sha, role) for uri, size, sha, role in doc["side_files"]]
     if mode == "full":
         reopened = source_class(to)(storage, layout.sink_uri)

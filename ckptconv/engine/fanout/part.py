@@ -114,7 +114,7 @@ def run_part(
     writers: dict[int, Any] = {}
     digests: dict[str, str] = {}
     read_digests: dict[str, str] = {}
-    crcs: dict[str, int] = {}  # the CRC-32 of the values whose CRC fields this part wrote (zip members)
+    crcs: dict[str, int] = {}  # the checksums the format records of the values this part computed
     recorded, tensors, written = [], 0, 0
     current: tuple[str, memoryview, Any] | None = None
     # Values are read ahead (as the executor reads them) while the previous one is written.
@@ -157,7 +157,7 @@ def run_part(
                         digests[span.source] = value_digest(value)
                         current = (span.source, value_bytes(value), value)
                         tensors += 1
-                    piece = span_bytes(span, current[1], crcs)[at : at + n]
+                    piece = span_bytes(f, span, current[1], crcs)[at : at + n]
                 writers[fi].write_at(offset, piece)
                 h.update(piece)
                 written += n

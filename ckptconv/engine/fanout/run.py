@@ -25,7 +25,7 @@ from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload
 
-FANOUT_FORMATS = ("safetensors", "cs-h5", "torch")
+FANOUT_FORMATS = ("safetensors", "cs-h5", "torch", "tf")
 POLL_SECONDS = 0.2
 
 
@@ -41,7 +41,7 @@ def _prepare(
 ) -> dict[str, Any]:
     storage = layout.storage
     options = {k: v for k, v in sink_options.items() if v is not None}
-    if to == "cs-h5":
+    if to in ("cs-h5", "tf"):
         options["skeleton"] = True
     sink = sink_class(to)(storage, layout.sink_uri, **options)
     entries = plan.entries()
@@ -65,6 +65,7 @@ def _prepare(
             del value
         files = sink.finish_skeleton()
         side = sink.side_files()
+        late = sink.late_recipe()
     except BaseException:
         sink.abort()
         raise
@@ -92,6 +93,7 @@ def _prepare(
         "parts": [[list(r) for r in p] for p in split_parts(layouts, parallelism, part_size)],
         "digests": digests,
         "read_digests": read_digests,
+        "late": late,
     }
     storage.write_bytes(_doc_uri(layout), json.dumps(doc).encode())
     return doc

@@ -1,5 +1,6 @@
-"""A fanned-out file's tail (a zip's central directory): the bytes that hold every value's CRC,
-written at commit from the CRCs the parts recorded (see :mod:`ckptconv.formats.layout`).
+"""What the commit of a fan-out writes from the checksums the parts recorded (see
+:mod:`ckptconv.formats.layout`): a file's tail (a zip's central directory, which holds every
+member's CRC-32), and the files a format writes last (a TensorFlow bundle's index).
 
 Locally the commit writes the tail in place. On S3 the upload part the tail starts in cannot be
 sent before the commit, so the part whose range ends at the tail *holds* its bytes of that upload
@@ -10,6 +11,7 @@ with the tail as the upload's last part(s).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any
 
 import xxhash
@@ -17,6 +19,8 @@ import xxhash
 from ckptconv.core.errors import TargetExists, VerificationFailed
 from ckptconv.engine.fanout.records import FANOUT_DIR, _gaps_uri
 from ckptconv.engine.staging import _Layout
+from ckptconv.formats import sink_class
+from ckptconv.formats.base import OutputFile
 from ckptconv.formats.layout import FileLayout, tail_bytes
 from ckptconv.storage.base import Storage
 from ckptconv.storage.local import LocalPatch
@@ -64,17 +68,39 @@ class HeldUpload:
         return self.upload.flush(self.start) if self.start else []
 
 
+def merged_checksums(records: list[dict[str, Any]]) -> dict[str, int]:
+    """The checksum of every value some part computed; two parts that computed one must agree."""
+    checksums: dict[str, int] = {}
+    for record in records:
+        for key, crc in record.get("crcs", {}).items():
+            if checksums.setdefault(key, crc) != crc:
+                raise VerificationFailed(f"{key}: two parts computed different checksums; nothing was published")
+    return checksums
+
+
+def write_late_files(layout: _Layout, doc: dict[str, Any], records: list[dict[str, Any]], to: str) -> list[OutputFile]:
+    """The files the format writes last from the values' checksums (a TensorFlow bundle's index)."""
+    if not doc.get("late"):
+        return []
+    checksums = merged_checksums(records)
+    out = []
+    try:
+        files = sink_class(to).late_files(doc["late"], checksums)
+    except KeyError as e:
+        raise VerificationFailed(f"no part recorded the checksum of {e.args[0]!r}; nothing was published") from None
+    for uri, data, role in files:
+        layout.storage.write_bytes(uri, data, overwrite=True)  # a commit run again writes the same bytes
+        out.append(OutputFile(uri, len(data), hashlib.sha256(data).hexdigest(), role))
+    return out
+
+
 def write_tails(
     layout: _Layout, doc: dict[str, Any], records: list[dict[str, Any]]
 ) -> tuple[dict[tuple[int, int, int], str], dict[int, list[dict[str, Any]]]]:
     """Write the tail of every file that has one: the xxh3 of each, by ``(file, start, end)`` as
     the parts' ranges are keyed, and the upload parts sent here, by file. Two parts that computed
     one CRC must agree."""
-    crcs: dict[str, int] = {}
-    for record in records:
-        for key, crc in record.get("crcs", {}).items():
-            if crcs.setdefault(key, crc) != crc:
-                raise VerificationFailed(f"{key}: two parts computed different CRC-32s; nothing was published")
+    crcs = merged_checksums(records)
     written, sent = {}, {}
     for fi, described in enumerate(doc["files"]):
         f = FileLayout.from_dict(described)
