@@ -22,9 +22,11 @@ from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, resolve_parallelism, split_parts
 from ckptconv.engine.plan import identity_plan
 from ckptconv.engine.run import run_plan
+from ckptconv.formats.base import OutputFile
 from ckptconv.formats.detect import open_source
 from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.storage import open_storage
+from ckptconv.storage.digests import holds_output
 
 MiB = 1 << 20
 
@@ -72,6 +74,12 @@ def _single(source: str, target: str, to: str, **sink_options: object) -> list[s
 
 def _sha(uri: str) -> str:
     return hashlib.sha256(open_storage(uri).read_all(uri)).hexdigest()
+
+
+def _checksummed(o: OutputFile) -> bool:
+    """The output's recorded checksum (its sha256, or the block digest of a file uploaded in parts) is its bytes'."""
+    entry = {"size": o.size, "sha256": o.sha256, "sha256_blocks": o.blocks}
+    return holds_output(open_storage(o.uri).read_all(o.uri), entry)
 
 
 def _uploads(bucket: str) -> list[dict]:
@@ -142,7 +150,10 @@ def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, 
     open_storage(remote).write_bytes(remote, Path(source).read_bytes())
     expected = _single(remote, f"s3://{s3_bucket}/one/{name}", to)
     result = convert(remote, f"s3://{s3_bucket}/two/{name}", to=to, parallelism=2, job_id="fan-s3")
-    assert [_sha(o.uri) for o in result.outputs] == expected == [o.sha256 for o in result.outputs]
+    assert [_sha(o.uri) for o in result.outputs] == expected
+    # Not read back: the parts hashed the blocks they sent, and the commit composed the block digest.
+    assert [(o.sha256, o.blocks is not None) for o in result.outputs] == [(None, True)]
+    assert all(_checksummed(o) for o in result.outputs)
     assert result.extras["parallelism"] == 2
     # Each part's process holds its part upload's buffers: the memory facts count them.
     assert result.memory["writer_buffer_bytes"] > 0
@@ -264,7 +275,7 @@ def test_a_layout_conversion_fans_out_to_the_single_worker_bytes(tmp_path: Path,
     assert two.extras["parallelism"] == 2
     assert [o.role for o in two.outputs] == [o.role for o in one.outputs] == ["data", "config"]
     assert [_sha(o.uri) for o in two.outputs] == [_sha(o.uri) for o in one.outputs]
-    assert [o.sha256 for o in two.outputs] == [_sha(o.uri) for o in two.outputs]
+    assert all(_checksummed(o) for o in two.outputs)
     assert two.verify["ok"] is True and two.verify["entries_checked"] == one.verify["entries_checked"]
     assert _uploads(s3_bucket) == []
 

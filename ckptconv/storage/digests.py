@@ -54,6 +54,19 @@ class BlockHasher:
         with self._lock:
             self._blocks.update(found)
 
+    def hashed(self) -> dict[int, str]:
+        """The sha256 of every block hashed so far, by block number: one writer's share of an object."""
+        with self._lock:
+            return dict(self._blocks)
+
+    def merge(self, blocks: dict[int, str]) -> None:
+        """Take the blocks another writer hashed (its :meth:`hashed`); ValueError when one of them
+        was hashed here already with other bytes."""
+        with self._lock:
+            clash = [n for n, h in blocks.items() if self._blocks.setdefault(n, h) != h]
+        if clash:
+            raise ValueError(f"blocks {sorted(clash)[:5]} were hashed twice with different bytes")
+
     def digest(self, size: int) -> str:
         """The block digest of the ``size``-byte object; ValueError when a block was never hashed."""
         count = math.ceil(size / self.block_size)

@@ -1,4 +1,4 @@
-"""The commit of a fanned-out conversion: check the part records tile every file, merge digests, hash files."""
+"""The commit of a fanned-out conversion: check the part records tile every file, merge their digests."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from ckptconv.engine.execute import ProgressReporter, VerifyReport, check_writte
 from ckptconv.engine.fanout.records import _part_uri, _read_doc
 from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
-from ckptconv.engine.run import stage_manifest
+from ckptconv.engine.run import _fill_sha256, stage_manifest
 from ckptconv.engine.staging import _Layout
 from ckptconv.formats import source_class
 from ckptconv.formats.base import OutputFile, TensorSource
 from ckptconv.formats.layout import FileLayout
 from ckptconv.storage.base import Storage
+from ckptconv.storage.digests import BlockHasher
 from ckptconv.storage.part_upload import PartUpload, upload_buffer_bytes
 
 READ_BLOCK = 64 << 20  # the commit's reads: one buffer, reused
@@ -66,29 +67,31 @@ def _commit(
         report.ok = report.ok and not conflicts
     outputs: list[OutputFile] = []
     expected = {(fi, s, e): h for record in records for fi, s, e, h in record["ranges"]}
-    tails, tail_parts = write_tails(layout, doc, records)
+    tails, tail_parts, tail_blocks = write_tails(layout, doc, records)
     expected.update(tails)
     for fi, described in enumerate(doc["files"]):
         f = FileLayout.from_dict(described)
-        if described["upload_id"] is not None:
-            parts = [p for record in records for p in record["uploaded"].get(str(fi), [])] + tail_parts.get(fi, [])
-            fence(job_id)
-            upload = PartUpload(
-                storage.backend(f.uri),
-                f.uri,
-                part_size=doc["part_size"],
-                upload_id=described["upload_id"],
-            )
-            upload.complete_parts(parts, f.size)
         ranges = sorted((s, e) for (i, s, e) in expected if i == fi)
-        sha256, hashes = _hash_file(storage, f.uri, ranges)
-        bad = [r for r in ranges if hashes[r] != expected[(fi, *r)]]
-        if bad:
-            raise VerificationFailed(f"{f.uri}: bytes {bad[0][0]}..{bad[0][1]} differ from what their part wrote")
-        outputs.append(OutputFile(f.uri, f.size, sha256, "data"))
+        if described["upload_id"] is None:
+            # A local file is hashed from the page cache, as a single worker's output is.
+            sha256, hashes = _hash_file(storage, f.uri, ranges)
+            bad = [r for r in ranges if hashes[r] != expected[(fi, *r)]]
+            if bad:
+                raise VerificationFailed(f"{f.uri}: bytes {bad[0][0]}..{bad[0][1]} differ from what their part wrote")
+            outputs.append(OutputFile(f.uri, f.size, sha256, "data"))
+            continue
+        # An upload's parts were hashed as they went out: its block digest, without reading it back.
+        blocks = _block_digest(records, fi, f, doc["part_size"], tail_blocks.get(fi, {}))
+        parts = [p for record in records for p in record["uploaded"].get(str(fi), [])] + tail_parts.get(fi, [])
+        fence(job_id)
+        upload = PartUpload(storage.backend(f.uri), f.uri, part_size=doc["part_size"], upload_id=described["upload_id"])
+        upload.complete_parts(parts, f.size)
+        outputs.append(OutputFile(f.uri, f.size, None, "data", blocks=blocks))
     outputs += write_late_files(layout, doc, records, to)
     outputs += [OutputFile(uri, size, sha, role) for uri, size, sha, role in doc["side_files"]]
     if mode == "full":
+        # Read back once: each uploaded file's sha256, and its stored bytes against the blocks sent.
+        outputs = _fill_sha256(storage, outputs, reread=True)
         reopened = source_class(to)(storage, layout.sink_uri)
         try:
             report = verify_output(plan, digests, reopened, reporter=reporter)
@@ -125,6 +128,21 @@ def _check_tiling(doc: dict[str, Any]) -> None:
             cursor = e
         if cursor != end:
             raise VerificationFailed(f"{f['uri']}: the parts stop at byte {cursor} of {end}")
+
+
+def _block_digest(
+    records: list[dict[str, Any]], fi: int, f: FileLayout, block_size: int, tail: dict[int, str]
+) -> dict[str, Any]:
+    """The block digest of file ``fi`` from the blocks each part (and the commit, of a ``tail``)
+    hashed as it sent them."""
+    hasher = BlockHasher(block_size)
+    try:
+        hasher.merge(tail)
+        for record in records:
+            hasher.merge({int(n): h for n, h in record.get("blocks", {}).get(str(fi), {}).items()})
+        return hasher.to_dict(f.size)
+    except ValueError as e:
+        raise VerificationFailed(f"{f.uri}: the parts' records do not hash every block once: {e}", uri=f.uri) from e
 
 
 def _hash_file(storage: Storage, uri: str, ranges: list[tuple[int, int]]) -> tuple[str, dict[tuple[int, int], str]]:

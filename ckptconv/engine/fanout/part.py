@@ -165,10 +165,12 @@ def run_part(
                     runner.report(index, tensors, written)
             recorded.append([fi, start, end, h.hexdigest()])
         current = None
-        uploaded = {}
+        uploaded, blocks = {}, {}
         for fi, w in writers.items():
             if not isinstance(w, LocalPatch):
                 uploaded[str(fi)] = w.flush(files[fi].size)
+                # Hashed as they went out: the commit composes the file's block digest from these.
+                blocks[str(fi)] = w.blocks.hashed()
             else:
                 w.close(sync=True)
     except BaseException:
@@ -185,6 +187,7 @@ def run_part(
         "index": index,
         "ranges": recorded,
         "uploaded": uploaded,
+        "blocks": blocks,
         "digests": digests,
         "read_digests": read_digests,
         "crcs": crcs,

@@ -44,6 +44,7 @@ class HeldUpload:
     def __init__(self, storage: Storage, upload: PartUpload, tail: int, held: str) -> None:
         self.storage = storage
         self.upload = upload
+        self.blocks = upload.blocks  # the upload parts sent from here, hashed as they went out
         self.start = held_from(upload, tail)
         self.held_uri = held
         self.held = bytearray(tail - self.start)
@@ -96,12 +97,12 @@ def write_late_files(layout: _Layout, doc: dict[str, Any], records: list[dict[st
 
 def write_tails(
     layout: _Layout, doc: dict[str, Any], records: list[dict[str, Any]]
-) -> tuple[dict[tuple[int, int, int], str], dict[int, list[dict[str, Any]]]]:
+) -> tuple[dict[tuple[int, int, int], str], dict[int, list[dict[str, Any]]], dict[int, dict[int, str]]]:
     """Write the tail of every file that has one: the xxh3 of each, by ``(file, start, end)`` as
-    the parts' ranges are keyed, and the upload parts sent here, by file. Two parts that computed
-    one CRC must agree."""
+    the parts' ranges are keyed, and the upload parts sent here with the sha256 of their blocks,
+    by file. Two parts that computed one CRC must agree."""
     crcs = merged_checksums(records)
-    written, sent = {}, {}
+    written, sent, blocks = {}, {}, {}
     for fi, described in enumerate(doc["files"]):
         f = FileLayout.from_dict(described)
         if f.tail is None:
@@ -127,4 +128,5 @@ def write_tails(
             raise VerificationFailed(f"{f.uri}: the bytes before the tail were not staged; nothing was published")
         upload.write_at(start, held + data)
         sent[fi] = upload.flush(f.size)
-    return written, sent
+        blocks[fi] = upload.blocks.hashed()
+    return written, sent, blocks
