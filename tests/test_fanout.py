@@ -8,8 +8,11 @@ publishing once, and a cancelled fan-out leaving neither files nor multipart upl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -17,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptconv.core.errors import Cancelled, InvalidRequest
+from ckptconv.core.errors import Cancelled, InvalidRequest, VerificationFailed
 from ckptconv.engine.convert import convert, convert_part
-from ckptconv.engine.fanout import AutoParallelism, resolve_parallelism, split_parts
+from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
 from ckptconv.engine.plan import identity_plan
 from ckptconv.engine.run import run_plan
 from ckptconv.formats.base import OutputFile
@@ -163,12 +166,52 @@ def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, 
     assert sorted(left) == sorted([o.uri for o in result.outputs] + [result.manifest])
 
 
+def test_a_full_verify_reads_the_upload_back_once_and_checks_its_blocks(tmp_path: Path, s3_bucket) -> None:
+    source = _source(tmp_path, "safetensors")
+    result = convert(source, f"s3://{s3_bucket}/full/m.mdl", to="cs-h5", parallelism=2, job_id="full", verify="full")
+    [data] = result.outputs
+    assert data.sha256 == _sha(data.uri) and data.blocks is not None and _checksummed(data)
+    assert result.verify["ok"] is True
+
+
+class _DroppingABlock(InlineRunner):
+    """Runs every part here, then takes one block hash out of part 0's record (as a record that
+    lost it would read): the commit must refuse it rather than publish an unverified file."""
+
+    def __init__(self, bucket: str) -> None:
+        super().__init__()
+        self.bucket = bucket
+
+    @contextlib.contextmanager
+    def claim(self, index: int) -> Iterator[bool]:
+        yield True
+        if index != 0:
+            return
+        storage = open_storage(f"s3://{self.bucket}/")
+        [uri] = [i.uri for i in storage.list(f"s3://{self.bucket}/") if i.uri.endswith("part-00000.json")]
+        record = json.loads(storage.read_all(uri))
+        blocks = record["blocks"]["0"]
+        del blocks[sorted(blocks)[0]]
+        storage.delete(uri)
+        storage.write_bytes(uri, json.dumps(record).encode())
+
+
+def test_a_part_record_missing_a_block_hash_publishes_nothing(tmp_path: Path, s3_bucket) -> None:
+    source = _source(tmp_path, "safetensors")
+    target = f"s3://{s3_bucket}/team/out/model.mdl"
+    with pytest.raises(VerificationFailed, match="do not hash every block once"):
+        convert(source, target, to="cs-h5", parallelism=2, job_id="dropped", parts=_DroppingABlock(s3_bucket))
+    assert list(open_storage(target).list(f"s3://{s3_bucket}/")) == []
+    assert _uploads(s3_bucket) == []
+
+
 def test_sharded_torch_on_s3_holds_files_smaller_than_an_upload_part(tmp_path: Path, s3_bucket) -> None:
     # Each shard is under one upload part: the commit sends each whole, with its central directory.
     source = _source(tmp_path, "safetensors")
     expected = _single(source, f"s3://{s3_bucket}/one", "torch", shard_size=4 * MiB)
     result = convert(source, f"s3://{s3_bucket}/two", to="torch", shard_size=4 * MiB, parallelism=3, job_id="ts3")
-    assert [_sha(o.uri) for o in result.outputs] == expected == [o.sha256 for o in result.outputs]
+    assert [_sha(o.uri) for o in result.outputs] == expected
+    assert all(_checksummed(o) for o in result.outputs)
     assert _uploads(s3_bucket) == []
     assert not [i for i in open_storage(f"s3://{s3_bucket}/").list(f"s3://{s3_bucket}/") if "staging" in i.uri]
 
