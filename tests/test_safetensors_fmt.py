@@ -7,6 +7,7 @@ Cerebras fixtures written by ``cstorch.save`` (their trees survive H5 -> safeten
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import sys
@@ -31,6 +32,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OpaqueObject
 from ckptconv.formats.safetensors_fmt import HEAD_READ, ST_DTYPES, SafetensorsSink, SafetensorsSource
 from ckptconv.formats.sharding import (
+    BESIDE_HASH_BYTES,
     SAFETENSORS,
     TORCH,
     index_bytes,
@@ -284,6 +286,22 @@ def test_sharded_output(tmp_path: Path) -> None:
         assert [e.key for e in src.entries()] == list(state)
         assert all(same_tensor(src.read(k), v) for k, v in state.items())
         assert len(src.files()) == 4
+
+
+def test_file_hashes_match_the_bytes_written_when_large_writes_are_hashed_beside_them(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    # Tensors above BESIDE_HASH_BYTES (hashed on another thread as written) between small ones.
+    state = {
+        "a": torch.randn(8, generator=g),
+        "big.0": torch.randn(3 << 18, generator=g),
+        "b": torch.randn(8, generator=g),
+        "big.1": torch.randn(1 << 19, generator=g),
+    }
+    assert state["big.0"].nbytes > BESIDE_HASH_BYTES
+    files = _write_state(str(tmp_path / "out"), state, shard_size=4 << 20)
+    assert [f.role for f in files] == ["data", "data", "index"]
+    for f in files:
+        assert f.sha256 == hashlib.sha256(Path(f.uri).read_bytes()).hexdigest(), f.uri
 
 
 def test_target_file_uri_and_shard_size_conflict(tmp_path: Path) -> None:
