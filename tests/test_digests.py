@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from ckptconv.storage.digests import BlockHasher, combine, file_digests, holds_output
+from ckptconv.storage.digests import BlockHasher, WrittenBlocks, combine, file_digests, holds_output
 
 BLOCK = 1 << 16
 
@@ -27,6 +27,41 @@ def test_blocks_hashed_in_any_order_give_the_digest_of_one_read(size):
     assert hasher.digest(size) == blocks
     expected = [hashlib.sha256(data[i : i + BLOCK]).hexdigest() for i in range(0, size, BLOCK)]
     assert blocks == combine(expected)
+
+
+def test_a_file_written_partly_unseen_gets_the_digest_of_one_read(tmp_path):
+    """Runs reported as written are hashed; blocks someone else wrote into (or over) are read back."""
+    size = 9 * BLOCK + 77
+    data = bytearray(os.urandom(size))
+    path = tmp_path / "f"
+    path.write_bytes(bytes(size))
+    written = WrittenBlocks(BLOCK)
+    fd = os.open(path, os.O_RDWR)
+    try:
+
+        def write(offset, piece, *, seen=True):
+            os.pwrite(fd, piece, offset)
+            if seen:
+                written.wrote(offset, piece)
+
+        # Front to back in uneven runs, as chunks go out, and an unseen writer's bytes inside
+        # block 3 (metadata between chunks).
+        pos = 0
+        for n in (1000, BLOCK, 3 * BLOCK - 1000, BLOCK // 2):
+            write(pos, data[pos : pos + n])
+            pos += n
+        write(pos, data[pos : pos + 100], seen=False)
+        pos += 100
+        write(pos, data[pos:])
+        assert written.hashed_bytes() == 8 * BLOCK  # block 3 and the last, short one are read back
+        # A block written over by a reported write is read back too (its hash may be stale).
+        data[7 * BLOCK + 5 : 7 * BLOCK + 9] = b"new!"
+        write(7 * BLOCK + 5, data[7 * BLOCK + 5 : 7 * BLOCK + 9])
+        assert written.hashed_bytes() == 7 * BLOCK
+        digest = written.finish(fd, size)
+    finally:
+        os.close(fd)
+    assert digest == {"block_size": BLOCK, "sha256": file_digests(io.BytesIO(bytes(data)), BLOCK)[1]}
 
 
 def test_a_block_never_hashed_is_an_error_not_a_digest():

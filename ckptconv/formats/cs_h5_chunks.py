@@ -34,6 +34,7 @@ import lz4.block
 import numpy as np
 
 from ckptconv.core.errors import CorruptCheckpoint
+from ckptconv.storage.digests import WrittenBlocks
 
 LZ4_FILTER_ID = 32004
 LZ4_DEFAULT_BLOCK = 1 << 30
@@ -199,21 +200,48 @@ class ChunkWriter:
     from the calling thread.
     """
 
-    def __init__(self, threads: int = 2, in_flight: int = 4, mode: str = "auto") -> None:
+    def __init__(
+        self, threads: int = 2, in_flight: int = 4, mode: str = "auto", written: WrittenBlocks | None = None
+    ) -> None:
         if mode not in ("auto", "always", "never"):
             raise ValueError(f"LZ4 mode must be auto, always or never, not {mode!r}")
         self.mode = mode
         self.in_flight = max(1, in_flight)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="lz4") if threads else None
+        # Every chunk is reported to ``written`` (hashed for the file's block digest) at its address,
+        # on a thread of its own, in the order the chunks were written; its buffer is reused after.
+        self._written = written
+        self._hash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5-sha256") if written else None
+        self._hashing: deque[tuple[Future[None], bytearray]] = deque()
         self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buf_size = 0
         self._pad = bytearray()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._buffers = queue.SimpleQueue()
+        try:
+            self.drain()
+        finally:
+            for pool in (self._pool, self._hash):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._pool = self._hash = None
+            self._buffers = queue.SimpleQueue()
+
+    def drain(self) -> None:
+        """Wait until every written chunk has been reported; raises the first reporting error."""
+        while self._hashing:
+            self._hashed_one()
+
+    def _hashed_one(self) -> None:
+        fut, buf = self._hashing.popleft()
+        try:
+            fut.result()
+        finally:
+            self._give_back(buf)
+
+    def _give_back(self, buf: bytearray) -> None:
+        if len(buf) == self._buf_size:  # buffers of an earlier, smaller chunk size are dropped
+            self._buffers.put(buf)
 
     def _pad_buffer(self, n: int) -> memoryview:
         if len(self._pad) < n:
@@ -246,7 +274,13 @@ class ChunkWriter:
             offset, buf, fut = pending.popleft()
             length = fut.result() if isinstance(fut, Future) else fut
             dsid.write_direct_chunk(offset, memoryview(buf)[:length])
-            self._buffers.put(buf)
+            if self._hash is None or self._written is None:
+                self._give_back(buf)
+                return
+            address = dsid.get_chunk_info_by_coord(offset).byte_offset
+            self._hashing.append((self._hash.submit(self._written.wrote, address, memoryview(buf)[:length]), buf))
+            if len(self._hashing) > self.in_flight:
+                self._hashed_one()
 
         try:
             for offset in _chunk_grid(shape, chunks):
@@ -277,7 +311,7 @@ class ChunkWriter:
             for _, buf, fut in pending:  # after an error: let running jobs finish, keep memory bounded
                 if isinstance(fut, Future):
                     fut.exception()
-                self._buffers.put(buf)
+                self._give_back(buf)
             pending.clear()
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from ckptconv.storage.digests import WrittenBlocks
 from ckptconv.storage.local import pwrite_all
 from ckptconv.storage.part_upload import PartUpload
 
@@ -61,13 +62,17 @@ def region_of(ds: h5py.Dataset) -> Region | None:
 
 
 class LocalPlacement:
-    """Positioned writes into the skeleton, which is the output file."""
+    """Positioned writes into the skeleton, which is the output file; each reported to
+    ``written`` (the file's block digest) when given."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, written: WrittenBlocks | None = None) -> None:
         self._fd = os.open(path, os.O_WRONLY)
+        self._written = written
 
     def place(self, region: Region, data: memoryview) -> None:
         pwrite_all(self._fd, data, region.offset)
+        if self._written is not None:
+            self._written.wrote(region.offset, data)
 
     def finish(self, path: str, size: int) -> None:
         self.close()

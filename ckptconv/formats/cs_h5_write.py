@@ -26,7 +26,13 @@ from ckptconv.core.errors import (
 )
 from ckptconv.formats.base import Entry, OutputFile
 from ckptconv.formats.cs_base import CerebrasSink, needs_payload
-from ckptconv.formats.cs_h5_chunks import DEFAULT_CHUNK_BYTES, LZ4_FILTER_ID, ChunkWriter, slab_chunk_shape
+from ckptconv.formats.cs_h5_chunks import (
+    DEFAULT_CHUNK_BYTES,
+    LZ4_FILTER_ID,
+    ChunkWriter,
+    slab_chunk_shape,
+    stored_chunks,
+)
 from ckptconv.formats.cs_h5_contiguous import (
     META_BLOCK_BASE,
     META_BLOCK_MAX,
@@ -49,8 +55,15 @@ from ckptconv.formats.layout import FileLayout, Span, gap_bytes
 from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks, streaming_buffer_bytes
+from ckptconv.storage.digests import WrittenBlocks
 from ckptconv.storage.local import ensure_parent_dir
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
+
+# A chunked dataset's metadata: its object header with attributes (about 1 KiB) and its chunk
+# index's first B-tree node (about 5 KiB for 64 chunks of a 2-d dataset).
+META_BYTES_PER_CHUNKED_DATASET = 8 << 10
+# Below this much data the metadata is left where HDF5 puts it: reading a few blocks back is cheap.
+HASHED_META_MIN_DATA = 64 << 20
 
 
 class CsH5Sink(CerebrasSink):
@@ -70,6 +83,10 @@ class CsH5Sink(CerebrasSink):
       chunks that are not compressed are stored as raw LZ4 blocks, which every reader accepts;
     - ``cstorch_version`` recorded in ``__cstorch_version__`` (default "2.10.0");
     - ``fsync`` (True): flush the file to disk before publishing it.
+
+    A local output of the fast or contiguous layout is hashed as it is written (its block digest,
+    :class:`~ckptconv.storage.digests.WrittenBlocks`): only the blocks holding HDF5's own metadata
+    are read back at commit, not the whole file.
 
     The file is written to ``{target}.{8 hex}.tmp`` beside a local target (a temporary directory
     for a remote one: the whole file for the chunked layouts, uploaded on commit; only the
@@ -102,6 +119,9 @@ class CsH5Sink(CerebrasSink):
         self._tmp_dir: str | None = None
         self._writer: ChunkWriter | None = None
         self._h5: ThreadPoolExecutor | None = None
+        # A local output's block digest, hashed as its bytes are written (see _hash_as_written).
+        self._written: WrittenBlocks | None = None
+        self._read_fd = -1
 
     def _on_h5_thread(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` on the sink's own HDF5 thread and wait for it.
@@ -146,7 +166,7 @@ class CsH5Sink(CerebrasSink):
             if self.skeleton:
                 self._placement = SkeletonOnly()
             elif self._tmp_dir is None:
-                self._placement = LocalPlacement(self._tmp_path)
+                self._placement = LocalPlacement(self._tmp_path, self._written)
             else:
                 upload = PartUpload(
                     self.storage.backend(self.uri),  # drives S3's multipart calls for this one object
@@ -182,14 +202,28 @@ class CsH5Sink(CerebrasSink):
         self._file.flush()
         return regions
 
+    def _hash_as_written(self) -> bool:
+        """A local output of the fast or contiguous layout gets its block digest as it is written:
+        we write (or hand HDF5) nearly every byte, and only the blocks holding HDF5's own metadata
+        are read back at commit, instead of the whole file for its sha256."""
+        return self._tmp_dir is None and not self.skeleton and self.chunking in ("fast", "contiguous")
+
     def _create(self, spec_text: str) -> None:
         assert self._tmp_path is not None
+        if self._hash_as_written():
+            self._written = WrittenBlocks()
+        numeric = [e for e in self._todo if e.kind in ("tensor", "array")]
         if self.chunking == "contiguous":
             # One metadata block large enough for every dataset's object header: HDF5 otherwise
             # allocates 2 KiB metadata blocks at the end of the file as it goes, between the
             # datasets, and every upload part holding one would wait for commit in local storage.
-            numeric = sum(1 for e in self._todo if e.kind in ("tensor", "array"))
-            block = min(META_BLOCK_MAX, META_BYTES_PER_DATASET * numeric + META_BLOCK_BASE)
+            block = min(META_BLOCK_MAX, META_BYTES_PER_DATASET * len(numeric) + META_BLOCK_BASE)
+            self._file = h5py.File(self._tmp_path, "x", meta_block_size=block)
+        elif self._written is not None and sum(e.nbytes for e in numeric) >= HASHED_META_MIN_DATA:
+            # The same for the chunked layout's headers and chunk indexes, sized to them (no
+            # reserve: a small file stays small): every digest block holding metadata between the
+            # chunks would be read back at commit.
+            block = min(META_BLOCK_MAX, META_BYTES_PER_CHUNKED_DATASET * len(numeric))
             self._file = h5py.File(self._tmp_path, "x", meta_block_size=block)
         else:
             self._file = h5py.File(self._tmp_path, "x")
@@ -197,7 +231,9 @@ class CsH5Sink(CerebrasSink):
         attrs["__spec__"] = spec_text
         attrs["__version__"] = np.float64(FORMAT_VERSION)
         attrs["__cstorch_version__"] = self.cstorch_version
-        self._writer = ChunkWriter(threads=self.threads, mode=self.lz4)
+        self._writer = ChunkWriter(threads=self.threads, mode=self.lz4, written=self._written)
+        if self._written is not None:
+            self._read_fd = os.open(self._tmp_path, os.O_RDONLY)
 
     # --- the layout, for outputs written by several processes (ckptconv.engine.fanout) --------------
 
@@ -257,12 +293,15 @@ class CsH5Sink(CerebrasSink):
         if self._placement is not None:
             self._placement.close()
             self._placement = None
-        if self.fsync:
-            fd = os.open(self._tmp_path, os.O_RDONLY)
-            try:
+        blocks = None
+        fd = os.open(self._tmp_path, os.O_RDONLY)
+        try:
+            if self.fsync:
                 os.fsync(fd)
-            finally:
-                os.close(fd)
+            if self._written is not None:
+                blocks = self._written.finish(fd, size)
+        finally:
+            os.close(fd)
         sha256 = None
         try:
             if self._tmp_dir is None:
@@ -279,7 +318,7 @@ class CsH5Sink(CerebrasSink):
             self.abort()
             raise
         self._cleanup_tmp()
-        return [OutputFile(self.uri, size, sha256, "data")]
+        return [OutputFile(self.uri, size, sha256, "data", blocks=blocks)]
 
     def _abort(self) -> None:
         if getattr(self, "_placed_skeleton", False):
@@ -306,14 +345,19 @@ class CsH5Sink(CerebrasSink):
         self._close_h5()
 
     def _close_h5(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._file is not None:
-            try:
-                self._file.close()
-            finally:
-                self._file = None
+        if self._read_fd >= 0:
+            os.close(self._read_fd)
+            self._read_fd = -1
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.close()  # waits for the chunks still being hashed
+        finally:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                finally:
+                    self._file = None
 
     def _close_file(self) -> None:
         if self._h5 is not None:
@@ -347,7 +391,22 @@ class CsH5Sink(CerebrasSink):
 
     def _write_late(self, key: str, arr: np.ndarray) -> None:
         assert self._file is not None
-        self._file[key][()] = arr
+        ds = self._file[key]
+        ds[()] = arr
+        self._report_stored(ds)
+
+    def _report_stored(self, ds: h5py.Dataset) -> None:
+        """Hand the bytes HDF5 just stored for ``ds`` (small, still in the page cache) to the digest."""
+        if self._written is None:
+            return
+        ds.flush()  # its chunks leave HDF5's chunk cache for the file
+        if ds.chunks is None:
+            offset = ds.id.get_offset()
+            extents = [] if offset is None else [(int(offset), int(ds.id.get_storage_size()))]
+        else:
+            extents = [(c.address, c.size) for c in stored_chunks(ds.id)]
+        for offset, size in extents:
+            self._written.wrote(offset, os.pread(self._read_fd, size, offset))
 
     def _store_object(self, key: str, md: dict[str, Any], payload: bytes) -> dict[str, Any]:
         return self._on_h5_thread(self._object_dataset, key, md, payload)
@@ -358,10 +417,12 @@ class CsH5Sink(CerebrasSink):
         key = entry.key
         if arr.ndim == 0:  # SCALAR dataspace, contiguous, no filter (§1.8)
             ds = f.create_dataset(key, data=arr)
+            self._report_stored(ds)
         elif arr.size == 0 or self.chunking == "h5py" or arr.nbytes <= self.small_tensor_bytes:
             ds = f.create_dataset(key, shape=arr.shape, dtype=arr.dtype, **hdf5plugin.LZ4())
             if arr.size:
                 ds.write_direct(arr)
+                self._report_stored(ds)
         else:
             chunks = slab_chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes)
             ds = f.create_dataset(

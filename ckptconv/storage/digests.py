@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import threading
 from typing import Any, BinaryIO
 
@@ -78,6 +79,75 @@ class BlockHasher:
     def to_dict(self, size: int) -> dict[str, int | str]:
         """How a manifest records it: ``{"block_size", "sha256"}``."""
         return {"block_size": self.block_size, "sha256": self.digest(size)}
+
+
+class WrittenBlocks:
+    """The block digest of a local file written partly by us at known positions, partly by a
+    library we cannot watch (HDF5 writing its metadata).
+
+    Bytes handed to :meth:`wrote` are hashed as they are written. A block is taken from them only
+    when they cover it whole, front to back, in one run of writes; every other block (those that
+    hold a byte someone else wrote, the file's last, shorter block) is read back from the finished
+    file by :meth:`finish`. Correct as long as nobody else writes over the bytes reported here.
+    """
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self._done: dict[int, str] = {}
+        self._open: dict[int, tuple[int, Any]] = {}  # block -> (bytes hashed so far, sha256 state)
+        self._broken: set[int] = set()
+        self._lock = threading.Lock()
+
+    def wrote(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """``data`` now sits at ``offset`` in the file."""
+        view = memoryview(data).cast("B")
+        size = self.block_size
+        pos = 0
+        with self._lock:
+            while pos < len(view):
+                at = offset + pos
+                block, within = divmod(at, size)
+                take = min(len(view) - pos, size - within)
+                state = self._open.pop(block, None)
+                if block in self._done or block in self._broken:
+                    self._done.pop(block, None)  # written over: only a read-back knows it now
+                    self._broken.add(block)
+                elif within == (state[0] if state else 0):
+                    h = state[1] if state else hashlib.sha256()
+                    h.update(view[pos : pos + take])
+                    if within + take == size:
+                        self._done[block] = h.hexdigest()
+                    else:
+                        self._open[block] = (within + take, h)
+                else:
+                    self._broken.add(block)
+                pos += take
+
+    def hashed_bytes(self) -> int:
+        """Bytes whose blocks need no read-back (so far)."""
+        return len(self._done) * self.block_size
+
+    def finish(self, fd: int, size: int) -> dict[str, int | str]:
+        """The block digest of the closed file (open as ``fd``, ``size`` bytes), as a manifest
+        records it; blocks not hashed as written are read back now."""
+        blocks = []
+        for i in range(math.ceil(size / self.block_size)):
+            start = i * self.block_size
+            digest = self._done.get(i) if start + self.block_size <= size else None
+            if digest is None:
+                digest = hashlib.sha256(_pread_exact(fd, min(self.block_size, size - start), start)).hexdigest()
+            blocks.append(digest)
+        return {"block_size": self.block_size, "sha256": combine(blocks)}
+
+
+def _pread_exact(fd: int, length: int, offset: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    while len(data) < length:
+        more = os.pread(fd, length - len(data), offset + len(data))
+        if not more:
+            raise OSError(f"file shorter than expected: {offset + len(data)} < {offset + length}")
+        data += more
+    return data
 
 
 def stored_digests(storage: Storage, uri: str, block_size: int) -> tuple[str, str]:
