@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.core.errors import Cancelled, TargetExists
+from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists
 from ckptconv.engine import run as engine
 from ckptconv.engine.convert import convert, inspect, plan_conversion
 from ckptconv.engine.execute import execute, verify_output
@@ -204,6 +204,15 @@ def test_plan_reports_unsupported_dtype(tmp_path: Path) -> None:
     view = plan_conversion(src, to="cs-h5")
     assert not view["ok"]
     assert view["errors"][0]["code"] == "unsupported_dtype"
+
+
+def test_a_shard_size_for_a_one_file_target_names_the_target_not_the_staging_copy(tmp_path: Path) -> None:
+    src = write_source(tmp_path, "safetensors")
+    with pytest.raises(InvalidRequest) as e:
+        convert(src, str(tmp_path / "out.safetensors"), to="safetensors", shard_size="1KB")
+    assert "out.safetensors" in str(e.value)
+    assert STAGING_DIR not in str(e.value)
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_s3_to_s3_and_back(tmp_path: Path, s3_bucket: str) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound
 from ckptconv.core.sizes import parse_size
-from ckptconv.core.uri import parent
+from ckptconv.core.uri import basename, parent
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
 from ckptconv.formats.links import link_root
 from ckptconv.storage.part_upload import open_output_writer, upload_buffer_bytes
@@ -257,7 +257,8 @@ def sink_files(
     if uri.endswith(file_suffixes):
         if limit is not None:
             raise InvalidRequest(
-                f"{uri} names one file, but a shard size was given",
+                # ``uri`` may be the job's staging copy of the target: name the file, not where it sits.
+                f"the target {basename(uri)} names one file, but a shard size was given",
                 hint="give a directory as the target to write shards",
             )
         planned = plan_shards(data, None, fmt)
