@@ -124,17 +124,22 @@ class StreamedPlacement:
     def finish(self, path: str, size: int) -> None:
         """Upload every part that is not made of dataset bytes alone from the closed skeleton."""
         self.close()
+        # One buffer for every part read back: a fresh block per part stayed alive beside the next
+        # one's and the part it was copied into (three parts for one).
+        block = bytearray()
         with open(path, "rb") as f:
             for number in range(1, self.upload.part_of(size - 1) + 1):
                 if number in self._pure:
                     continue
                 start, end = self.upload.part_bounds(number)
                 end = min(end, size)
+                if len(block) < end - start:
+                    block = bytearray(end - start)
+                view = memoryview(block)[: end - start]
                 f.seek(start)
-                block = f.read(end - start)
-                if len(block) != end - start:
+                if f.readinto(view) != end - start:
                     raise OSError(f"{path}: short read at {start}")
-                self.upload.write_at(start, block)
+                self.upload.write_at(start, view)
         self.upload.complete(size)
 
     def close(self) -> None:

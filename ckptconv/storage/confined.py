@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptconv.core.scopes import Scopes
-from ckptconv.storage.base import ObjectInfo, Storage, Writer
+from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, Storage, Writer
 
 _scopes: contextvars.ContextVar[Scopes | None] = contextvars.ContextVar("ckptconv_storage_scopes", default=None)
 _default: Scopes | None = None
@@ -114,7 +114,9 @@ class ConfinedStorage(Storage):
         self._check(uri)
         return self.inner.sha256(uri, block_size)
 
-    def open_writer(self, uri: str, *, overwrite: bool = False, part_size: int = 64 << 20, **extra: Any) -> Writer:
+    def open_writer(
+        self, uri: str, *, overwrite: bool = False, part_size: int = STREAM_PART_SIZE, **extra: Any
+    ) -> Writer:
         # ``extra``: options of one backend (S3 user metadata), passed through unchanged.
         self._check(uri)
         return self.inner.open_writer(uri, overwrite=overwrite, part_size=part_size, **extra)

@@ -37,7 +37,7 @@ from ckptconv.core.errors import (
 )
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import local_path_of
-from ckptconv.storage.base import ObjectInfo, Storage, Writer
+from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, Storage, Writer
 from ckptconv.storage.ranges import check_range, short_read
 
 # Temp files of writers in flight (and the ones cstorch leaves behind when a save fails).
@@ -309,7 +309,7 @@ class LocalStorage(Storage):
             raise ObjectNotFound(f"not a regular file: {uri}", uri=uri)
         return f
 
-    def open_writer(self, uri: str, *, overwrite: bool = False, part_size: int = 64 << 20) -> Writer:
+    def open_writer(self, uri: str, *, overwrite: bool = False, part_size: int = STREAM_PART_SIZE) -> Writer:
         """A :class:`LocalWriter`; ``part_size`` does not apply to files and is ignored."""
         return LocalWriter(uri, local_path_of(uri), overwrite=overwrite)
 

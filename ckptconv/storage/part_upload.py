@@ -154,12 +154,24 @@ class PartUpload:
         self._slots.acquire()  # bounded: at most `concurrency` parts in memory in flight
         self._sent.add(number)
         try:
-            future = self._pool.submit(self._upload_part, number, body)
+            future = self._pool.submit(self._upload_in_slot, number, [body])
         except BaseException:
             self._slots.release()
             raise
-        future.add_done_callback(lambda _f: self._slots.release())
         self._futures.append(future)
+
+    def _upload_in_slot(self, number: int, holder: list[bytearray | memoryview]) -> dict[str, Any]:
+        """Upload the part ``holder`` carries, then free its slot once nothing here holds it.
+
+        Why the holder, and the release here rather than in a done callback: the pool thread keeps
+        a task's arguments until after its callbacks ran, so a slot freed there let the next part in
+        while the sent one was still alive; on a loaded machine every thread of the pool could lag
+        so, and a run peaked ``concurrency`` parts over its estimate.
+        """
+        try:
+            return self._upload_part(number, holder.pop())
+        finally:
+            self._slots.release()
 
     def _raise_failed(self) -> None:
         for f in self._futures:

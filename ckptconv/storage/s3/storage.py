@@ -14,7 +14,7 @@ from botocore.exceptions import ClientError
 from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import s3_uri, split_s3
-from ckptconv.storage.base import ObjectInfo, RangeReader, Storage, Writer
+from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, RangeReader, Storage, Writer
 from ckptconv.storage.ranges import check_range
 from ckptconv.storage.retry import RetryPolicy
 from ckptconv.storage.s3.client import (
@@ -231,7 +231,7 @@ class S3Storage(Storage):
         uri: str,
         *,
         overwrite: bool = False,
-        part_size: int = 64 << 20,
+        part_size: int = STREAM_PART_SIZE,
         metadata: Mapping[str, str] | None = None,
     ) -> Writer:
         """A streaming multipart :class:`S3Writer`; ``metadata`` becomes the object's user metadata.

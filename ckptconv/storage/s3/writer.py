@@ -112,7 +112,9 @@ class S3Writer(Writer):
         body, self._buf = self._buf, bytearray()
         self._wait_pending()
         assert self._executor is not None
-        self._pending = self._executor.submit(self._upload_part, self._next_part, body)
+        # In a holder the task empties: a pool thread keeps a task's arguments until after its
+        # result is set, which would keep this part alive beside the next two.
+        self._pending = self._executor.submit(self._upload_held, self._next_part, [body])
         self._next_part += 1
 
     def _start_upload(self) -> None:
@@ -124,6 +126,9 @@ class S3Writer(Writer):
             kwargs["ChecksumAlgorithm"] = "CRC32"
         self._upload_id = self._storage._call(self.uri, self._client.create_multipart_upload, **kwargs)["UploadId"]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
+
+    def _upload_held(self, number: int, holder: list[bytearray]) -> dict[str, Any]:
+        return self._upload_part(number, holder.pop())
 
     def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
