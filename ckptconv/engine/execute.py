@@ -26,6 +26,7 @@ from ckptconv.engine.plan import IDENTITY, Plan
 from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, TensorSource
 from ckptconv.formats.links import link_root
+from ckptconv.formats.memory import POOL
 
 
 @dataclass
@@ -211,61 +212,63 @@ def execute(
         if read_digests is not None:
             read_digests[key] = value_digest(value)
 
-    fetcher = (
-        Prefetcher(
-            source,
-            order,
-            src_sizes,
-            budget,
-            workers=source.read_parallelism if parallel_reads else 1,
-            on_read=hashed_as_read,
+    # Idle tensor buffers are the estimate's second largest value (formats/memory.py).
+    with POOL.capped(max(largest, plan.largest_entry_bytes())):
+        fetcher = (
+            Prefetcher(
+                source,
+                order,
+                src_sizes,
+                budget,
+                workers=source.read_parallelism if parallel_reads else 1,
+                on_read=hashed_as_read,
+            )
+            if prefetch and order
+            else None
         )
-        if prefetch and order
-        else None
-    )
-    cache: dict[str, Any] = {}
-    digests: dict[str, str] = {}
-    reporter.stage("converting", plan.tensors_total, plan.bytes_total)
-    try:
-        for step in plan.steps:
-            if cancelled is not None and cancelled():
-                raise Cancelled("cancelled by request; nothing was published")
-            out = step.out
-            if out.kind == "link":
-                continue
-            if not step.inputs:
-                value = out.value
-            else:
-                values = []
+        cache: dict[str, Any] = {}
+        digests: dict[str, str] = {}
+        reporter.stage("converting", plan.tensors_total, plan.bytes_total)
+        try:
+            for step in plan.steps:
+                if cancelled is not None and cancelled():
+                    raise Cancelled("cancelled by request; nothing was published")
+                out = step.out
+                if out.kind == "link":
+                    continue
+                if not step.inputs:
+                    value = out.value
+                else:
+                    values = []
+                    for k in step.inputs:
+                        if k not in cache:
+                            if fetcher:
+                                cache[k] = fetcher.get(k)
+                            else:
+                                cache[k] = source.read(k)
+                                if read_digests is not None:
+                                    read_digests[k] = value_digest(cache[k])
+                        values.append(cache[k])
+                    value = (step.transform or IDENTITY)(values)
+                    del values
+                check_produced(out, value)
+                sink.write(out.key, value)
+                # After the write: a sink that changed the value in place shows in the digest.
+                digests[out.key] = value_digest(value)
+                if out.is_data:
+                    reporter.advance(1, out.nbytes)
+                del value
                 for k in step.inputs:
-                    if k not in cache:
+                    uses[k] -= 1
+                    if uses[k] == 0:
+                        cache.pop(k, None)
                         if fetcher:
-                            cache[k] = fetcher.get(k)
-                        else:
-                            cache[k] = source.read(k)
-                            if read_digests is not None:
-                                read_digests[k] = value_digest(cache[k])
-                    values.append(cache[k])
-                value = (step.transform or IDENTITY)(values)
-                del values
-            check_produced(out, value)
-            sink.write(out.key, value)
-            # After the write: a sink that changed the value in place shows in the digest.
-            digests[out.key] = value_digest(value)
-            if out.is_data:
-                reporter.advance(1, out.nbytes)
-            del value
-            for k in step.inputs:
-                uses[k] -= 1
-                if uses[k] == 0:
-                    cache.pop(k, None)
-                    if fetcher:
-                        fetcher.release(k)
-        reporter.finish()
-    finally:
-        cache.clear()
-        if fetcher:
-            fetcher.stop()
+                            fetcher.release(k)
+            reporter.finish()
+        finally:
+            cache.clear()
+            if fetcher:
+                fetcher.stop()
     return digests
 
 

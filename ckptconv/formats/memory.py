@@ -16,12 +16,14 @@ Two facts of glibc's allocator decide the peak RSS of a streaming conversion:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -99,8 +101,38 @@ class BufferPool:
         self.min_size = min_size
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
+        self._caps: list[int] = []  # the caps of the runs in progress (see ``capped``)
         self._lock = threading.Lock()
         self.reused = 0  # buffers handed out again (for tests and benchmarks)
+
+    @property
+    def idle_cap(self) -> int:
+        """The idle bytes allowed now: ``max_idle``, or less while a run has capped it."""
+        with self._lock:
+            return min([self.max_idle, *self._caps])
+
+    @contextlib.contextmanager
+    def capped(self, nbytes: int) -> Iterator[None]:
+        """Keep at most ``nbytes`` idle while the block runs (the smallest cap of the runs in progress).
+
+        A conversion's memory estimate counts twice its largest value: one alive (read ahead or
+        being written) and one more. Idle buffers are that one more: with tensors of many sizes a
+        pool of ``max_idle`` held up to 128 MiB of buffers of other sizes beside the live ones, over
+        the estimate of any checkpoint whose largest tensor is smaller; capped at the largest value,
+        the pool stays within it. When the last run in progress ends, the pool is emptied.
+        """
+        with self._lock:
+            self._caps.append(max(0, nbytes))
+            self._trim(min([self.max_idle, *self._caps]))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._caps.remove(max(0, nbytes))
+                if not self._caps:
+                    # The last run ended: what follows (its commit, a worker waiting for its next
+                    # job) has no use for its buffers.
+                    self._trim(0)
 
     def tensor(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """An uninitialized C-contiguous CPU tensor."""
@@ -130,16 +162,21 @@ class BufferPool:
     def _give_back(self, buf: np.ndarray) -> None:
         n = buf.nbytes
         with self._lock:
+            cap = min([self.max_idle, *self._caps])
             # Room is made by dropping buffers of other sizes: the size just freed is the likeliest
             # to be asked for next (the next layer's same tensor).
-            for size in list(self._idle):
-                if self._idle_bytes + n <= self.max_idle:
-                    break
-                if size != n:
-                    self._idle_bytes -= size * len(self._idle.pop(size))
-            if self._idle_bytes + n <= self.max_idle:
+            self._trim(cap - n, keep=n)
+            if self._idle_bytes + n <= cap:
                 self._idle.setdefault(n, []).append(buf)
                 self._idle_bytes += n
+
+    def _trim(self, room: int, keep: int | None = None) -> None:
+        """Drop idle buffers (of sizes other than ``keep``) until at most ``room`` bytes stay idle."""
+        for size in list(self._idle):
+            if self._idle_bytes <= room:
+                break
+            if size != keep:
+                self._idle_bytes -= size * len(self._idle.pop(size))
 
     def clear(self) -> None:
         with self._lock:
