@@ -134,13 +134,21 @@ def test_an_s3_target_s_upload_buffers_come_out_of_the_read_ahead(s3_bucket, s3_
     assert memory["read_ahead_bytes"] == local["read_ahead_bytes"] - buffers
     assert memory["minimum_bytes"] == 2 * largest + buffers + (300 << 20)
     assert memory["estimated_peak_bytes"] == 500 << 20
-    too_small = plan_conversion(uri, to="cs-h5", memory_budget="390MiB", target=f"s3://{s3_bucket}/out/model.mdl")
+    # Too small for 4 parts in flight: the upload sends fewer at once, down to one, before refusing.
+    squeezed = plan_conversion(uri, to="cs-h5", memory_budget="390MiB", target=f"s3://{s3_bucket}/out/model.mdl")
+    assert squeezed["ok"], squeezed
+    assert squeezed["memory"]["writer_buffer_bytes"] == (3 + 2) * (16 << 20)
+    assert squeezed["memory"]["estimated_peak_bytes"] == 390 << 20
+    too_small = plan_conversion(uri, to="cs-h5", memory_budget="340MiB", target=f"s3://{s3_bucket}/out/model.mdl")
     assert not too_small["ok"] and "upload buffers" in too_small["errors"][0]["detail"]
+    assert str(2 * largest + (1 + 2) * (16 << 20) + (300 << 20)) in too_small["errors"][0]["detail"]
     # A sharded safetensors target uploads one file at a time through the same part upload.
     st = plan_conversion(uri, to="safetensors", memory_budget="500MiB", target=f"s3://{s3_bucket}/out/st")
     assert st["memory"]["writer_buffer_bytes"] == buffers
     result = convert(uri, f"s3://{s3_bucket}/out/model.mdl", to="cs-h5", memory_budget="500MiB")
     assert result.memory == memory and result.verify["ok"]
+    result = convert(uri, f"s3://{s3_bucket}/out/squeezed.mdl", to="cs-h5", memory_budget="350MiB")
+    assert result.memory["writer_buffer_bytes"] == (1 + 2) * (16 << 20) and result.verify["ok"]
 
 
 def test_planning_an_h5_file_over_s3_reads_its_scattered_metadata_in_small_blocks(s3_bucket, recorded, tmp_path):

@@ -18,7 +18,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.engine.execute import Progress
 from ckptconv.engine.fanout import AutoParallelism, PartRunner, resolve_parallelism, run_fanout, run_part
 from ckptconv.engine.plan import Plan, identity_plan
-from ckptconv.engine.run import ConvertResult, jsonable, run_plan, source_facts, writer_buffer_bytes
+from ckptconv.engine.run import ConvertResult, fit_memory, jsonable, run_plan, source_facts
 from ckptconv.formats import sink_class
 from ckptconv.formats.detect import check_format, open_source, target_format_from_name
 from ckptconv.formats.sharding import plan_shards
@@ -199,7 +199,7 @@ def plan_conversion(
         out = plan.to_dict(source_sizes=sizes, limit=limit)
         out["shards"] = _shard_layout(to, plan, shard_size)
         try:
-            out["memory"] = plan.memory(sizes, memory_budget, writer_buffer_bytes(target or "", to))
+            out["memory"] = fit_memory(plan, sizes, memory_budget, target or "", to)[0]
         except CkptconvError as e:
             errors.append(e.to_problem())
         out.update({"ok": not errors, "errors": errors, "source": source_facts(src), "target_format": to})

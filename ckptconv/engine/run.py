@@ -63,6 +63,7 @@ from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 from ckptconv.storage.digests import stored_digests
+from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,40 @@ def writer_buffer_bytes(target: str, to: str, sink_options: dict[str, Any] | Non
     if not target or not is_s3(target):
         return 0
     return sink_class(to).remote_buffer_bytes({k: v for k, v in (sink_options or {}).items() if v is not None})
+
+
+def fit_memory(
+    plan: Plan,
+    sizes: dict[str, int],
+    budget: int | str | None,
+    target: str,
+    to: str,
+    sink_options: dict[str, Any] | None = None,
+) -> tuple[dict[str, int | None], dict[str, Any]]:
+    """``plan.memory`` for a run into format ``to`` at ``target``, and the sink options that keep it.
+
+    Under a ``budget`` too small for an S3 upload's default parts in flight, the upload runs fewer
+    at once (down to one) when the sink lets its caller choose (``concurrency``): the budget bounds
+    what the writer allocates rather than being refused. InvalidRequest when even one does not fit.
+    """
+    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
+    buffers = writer_buffer_bytes(target, to, options)
+    try:
+        return plan.memory(sizes, budget, buffers), options
+    except InvalidRequest as e:
+        if "concurrency" in options:
+            raise  # the caller's choice
+        refused = e
+    for concurrency in range(DEFAULT_CONCURRENCY - 1, 0, -1):
+        fewer = {**options, "concurrency": concurrency}
+        smaller = writer_buffer_bytes(target, to, fewer)
+        if smaller >= buffers:
+            break  # this sink's buffers do not depend on it
+        try:
+            return plan.memory(sizes, budget, smaller), fewer
+        except InvalidRequest as e:
+            refused = e  # names the minimum of the fewest parts in flight
+    raise refused
 
 
 def run_plan(
@@ -142,9 +177,9 @@ def run_plan(
     if target_exists(storage, layout.target, to):
         raise TargetExists(f"{layout.target} already exists")
 
-    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
-    buffers = writer_buffer_bytes(target, to, options)
-    memory = plan.memory({e.key: e.nbytes for e in src.entries()}, memory_budget, buffers)
+    memory, options = fit_memory(
+        plan, {e.key: e.nbytes for e in src.entries()}, memory_budget, target, to, sink_options
+    )
     # A previous attempt of this job may have left a partial staging area: start clean.
     _discard(layout)
     sink = (sink_factory or sink_class(to))(storage, layout.sink_uri, **options)
