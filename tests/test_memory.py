@@ -64,6 +64,19 @@ def test_idle_buffers_stay_under_the_cap_and_small_tensors_bypass_the_pool() -> 
     assert pool.idle_bytes <= 10 * MB
 
 
+def test_a_run_caps_the_idle_buffers_at_its_largest_value_and_empties_the_pool_at_its_end() -> None:
+    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    with pool.capped(4 * MB):
+        tensors = [pool.tensor((n * MB,), "uint8") for n in (1, 2, 3, 4)]
+        del tensors
+        gc.collect()
+        assert pool.idle_bytes <= 4 * MB  # the uncapped pool kept all 10 MiB
+        with pool.capped(2 * MB):  # a second run at once: the smaller cap holds
+            assert pool.idle_bytes <= 2 * MB
+        assert pool.idle_cap == 4 * MB
+    assert pool.idle_bytes == 0 and pool.idle_cap == 64 * MB
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_allocator_bound_takes_effect() -> None:
     assert bound_allocator() is True
