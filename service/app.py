@@ -7,6 +7,7 @@ This process never imports torch, h5py or tensorflow: work that needs them is do
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from service.limits import BoundedPool, RateLimiter, StreamSlots
 from service.queue import TaskMessages
 from service.routes import catalog, dashboard, health, jobs, models, plans
 from service.schemas.common import PROBLEM_JSON, Problem, problem_responses
+from service.targets import warm_up
 
 DESCRIPTION = """\
 Convert deep-learning checkpoints between formats, as long-running jobs.
@@ -108,6 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             streams=StreamSlots(short, keys, settings.max_streams_per_key),
             blocking_redis=blocking,
         )
+        await asyncio.to_thread(warm_up)  # before the first request, which may be a burst
         if settings.gc_freeze:
             # Everything allocated so far lives as long as the process: keep it out of collections,
             # and collect less often (full collections were the p99 latency; see measurements).

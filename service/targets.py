@@ -9,6 +9,7 @@ The check runs before the reservation script, so a refused request leaves nothin
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,11 +20,33 @@ from ckptconv.core.uri import is_local, local_path_of
 from ckptconv.formats import target_exists
 from ckptconv.storage import open_storage
 
+log = logging.getLogger("ckptconv.api")
+
 # The storage clients block, so the check runs in a thread. A thread of a check that timed out is
 # left to finish and holds its slot until then; a check that finds every thread busy waits for one
 # within its own timeout, so a stalled object store answers 503s, each after the timeout at most.
+# As many threads as the S3 client has pooled connections (ckptconv.storage.s3.client's
+# MAX_POOL_CONNECTIONS): more would only wait for a connection, or open one to throw away, while
+# contending for the GIL with the event loop.
 # asyncio's executor hop costs less than half of anyio.to_thread's (about 20 us of CPU against 50).
-_CHECKS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="ckptconv-target-check")
+_CHECKS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckptconv-target-check")
+
+# The checks under way, by target: requests for a target that is being checked wait for that check
+# rather than starting their own, so a burst of submissions to one target costs one HEAD and one
+# list, not one each (32 at once used to exceed the timeout on a loaded machine, answering 503s).
+# Its answer is at most one check old for every request that joins it, which the check could be
+# anyway; two jobs on one target are kept apart by the reservation, not by this check.
+_under_way: dict[tuple[str, str | None], asyncio.Future[bool]] = {}
+
+
+def warm_up() -> None:
+    """Build the S3 client now (boto3's import and service model: about a second of CPU, several
+    on a loaded machine) rather than in the first submissions, whose checks would spend their
+    timeout on it. A client that cannot be built is left to the checks to report (503)."""
+    try:
+        open_storage("s3://ckptconv-warm-up/")
+    except Exception as e:
+        log.warning("the S3 client cannot be built yet (%s: %s); submissions to s3:// will retry", type(e).__name__, e)
 
 
 async def refuse_existing_target(target_doc: dict[str, Any], timeout: float) -> None:
@@ -33,16 +56,9 @@ async def refuse_existing_target(target_doc: dict[str, Any], timeout: float) -> 
     uri, fmt = target_identity(target_doc["uri"]), target_doc.get("format")  # s3://b/out/ is s3://b/out
     if is_local(uri) and _nothing_at(local_path_of(uri), fmt):
         return
-
-    def check() -> bool:
-        try:
-            return target_exists(open_storage(uri), uri, fmt)
-        except ObjectNotFound:  # no such bucket: nothing exists there (the job reports the bucket)
-            return False
-
     try:
-        # On timeout wait_for cancels the future; the thread is abandoned (left to finish).
-        exists = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_CHECKS, check), timeout)
+        # shield: a request that times out stops waiting; the check goes on for those that joined it.
+        exists = await asyncio.wait_for(asyncio.shield(_check_under_way(uri, fmt)), timeout)
     except TimeoutError:
         raise StorageUnavailable(f"the object store did not answer within {timeout:g} s about {uri}") from None
     except OSError as e:  # a StorageError, or a socket error a client library let through
@@ -53,6 +69,31 @@ async def refuse_existing_target(target_doc: dict[str, Any], timeout: float) -> 
             hint="conversions never overwrite: choose another target URI, or delete what is there first",
             uri=uri,
         )
+
+
+def _check_under_way(uri: str, fmt: str | None) -> asyncio.Future[bool]:
+    """The check of ``uri`` under way, started now if there is none."""
+    key = (uri, fmt)
+    check = _under_way.get(key)
+    if check is None:
+        check = asyncio.get_running_loop().run_in_executor(_CHECKS, _exists, uri, fmt)
+        _under_way[key] = check
+        check.add_done_callback(lambda done: _finished(key, done))
+    return check
+
+
+def _finished(key: tuple[str, str | None], check: asyncio.Future[bool]) -> None:
+    if _under_way.get(key) is check:
+        del _under_way[key]
+    if not check.cancelled():
+        check.exception()  # retrieved: when every waiter timed out, nobody else reads it
+
+
+def _exists(uri: str, fmt: str | None) -> bool:
+    try:
+        return target_exists(open_storage(uri), uri, fmt)
+    except ObjectNotFound:  # no such bucket: nothing exists there (the job reports the bucket)
+        return False
 
 
 def _nothing_at(path: str, fmt: str | None) -> bool:

@@ -42,6 +42,7 @@ def s3_server() -> Iterator[str]:
     try:
         wait_port(port, 30.0)
         endpoint = f"http://127.0.0.1:{port}"
+        _warm_up(endpoint)
         saved = {k: os.environ.get(k) for k in _AWS_VARS}
         os.environ.update(
             AWS_ENDPOINT_URL=endpoint,
@@ -58,6 +59,18 @@ def s3_server() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _warm_up(endpoint: str) -> None:
+    """One request, so that moto loads its S3 backend now (seconds on a loaded machine): the first
+    test to touch S3 would otherwise spend them inside its own timeouts."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{endpoint}/ckptconv-warm-up/none", timeout=60).close()
+    except urllib.error.HTTPError:
+        pass  # 404: no such bucket; the backend is loaded
 
 
 _AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
