@@ -99,6 +99,19 @@ def test_distinct_targets_are_not_reserved_together(api: Service) -> None:
     assert _submit(api, base + "/a.mdl2").status_code == 202
 
 
+def test_a_burst_to_one_target_shares_one_existence_check(api: Service, s3_server: str) -> None:
+    # Each S3 request is held 2 s at the proxy: the burst arrives while the first check is under way.
+    with FaultProxy(s3_server, delay_s=2.0) as proxy:
+        url = api.start_api(AWS_ENDPOINT_URL=proxy.url, CKPTCONV_TARGET_CHECK_TIMEOUT_SECONDS="60")
+        svc = SimpleNamespace(url=url, key=api.key, bucket=api.bucket)
+        target = f"s3://{api.bucket}/team/burst-{uuid.uuid4().hex[:6]}/model.mdl"
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(lambda _: _submit(svc, target), range(16)))
+    assert sorted(r.status_code for r in responses) == [202] + [409] * 15, [r.text for r in responses]
+    # A check is a HEAD and a listing: one check per submission would have been 32 requests.
+    assert 2 <= proxy.requests <= 8, proxy.requests
+
+
 def test_an_existing_file_target_is_refused_at_submit(api: Service, s3_server: str) -> None:
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.create_bucket(Bucket=api.bucket)
