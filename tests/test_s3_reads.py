@@ -172,3 +172,23 @@ def test_planning_an_h5_file_over_s3_reads_its_scattered_metadata_in_small_block
     # The front of the file and small blocks around the scattered headers: less than half the file
     # (8 MiB per object header fetched over three times its size).
     assert 0 < fetched < local.stat().st_size // 2, (fetched, local.stat().st_size)
+
+
+def test_a_contiguous_h5_dataset_is_one_ranged_read_of_its_bytes(s3_bucket, recorded, tmp_path):
+    proxy, seen = recorded
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"layers.{i}.w": torch.randn(256, 1024, generator=g) for i in range(4)}  # 1 MiB each
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(save(tensors))
+    uri = f"s3://{s3_bucket}/contiguous/model.mdl"
+    convert(str(st), uri, to="cs-h5")  # S3 targets: contiguous datasets
+    with open_source(uri, "cs-h5") as src:
+        assert src.read_parallelism == S3Storage(proxy.url).read_parallelism  # values read at once
+        seen.clear()
+        got = src.read("layers.2.w")
+    assert torch.equal(got, tensors["layers.2.w"])
+    # Its bytes in one GET of exactly their range, past HDF5 (no small reads of a file object).
+    ranges = [r for m, r in seen if m == "GET"]
+    assert len(ranges) == 1, seen
+    first, last = (int(x) for x in ranges[0].removeprefix("bytes=").split("-"))
+    assert last - first + 1 == tensors["layers.2.w"].nbytes

@@ -109,6 +109,9 @@ class CsH5Source(TensorSource):
                     raise CorruptCheckpoint(f"{uri} has no __spec__ attribute")
                 self._spec = parse_root_spec(raw_spec)
                 self._entries = self._load_entries()
+                # Contiguous datasets are byte ranges read without HDF5's lock, chunked ones by the
+                # chunk reader's threads: several values may be read at once.
+                self.read_parallelism = storage.read_parallelism
         except BaseException:
             self.h5.close()
             raise

@@ -74,6 +74,7 @@ class H5File:
 
     def __init__(self, storage: Storage, uri: str, *, threads: int = 2) -> None:
         self.uri = uri
+        self.storage = storage
         self._fd: int | None = None
         self._reader: Any = None
         path = storage.local_path(uri)
@@ -267,6 +268,8 @@ class H5File:
                 if len(stored) == expected:
                     self.chunks.read(ds.id, dest, chunks, f"{key!r}", stored)
                     return
+            if ds.chunks is None and not filters and self._read_contiguous(ds, dest, key):
+                return
             if filters and any(not h5py.h5z.filter_avail(f) for f in filters):
                 raise UnsupportedFormat(f"{key!r}: dataset uses HDF5 filters {filters} that are not available")
             ds.read_direct(dest)
@@ -274,6 +277,33 @@ class H5File:
             raise
         except H5_ERRORS as e:
             raise CorruptCheckpoint(f"{key!r}: dataset is unreadable: {e}") from None
+
+    def _read_contiguous(self, ds: h5py.Dataset, dest: np.ndarray, key: str) -> bool:
+        """Read an unchunked, unfiltered dataset's bytes straight into ``dest``, without HDF5.
+
+        Through h5py every read holds its global lock (and, remote, goes through a Python file
+        object one request at a time): the executor's reader threads would take turns. A
+        contiguous dataset is one byte range: read with a positioned read (local) or the storage's
+        concurrent ranged GETs, on as many threads as ask. False when the data is not stored as
+        one allocated range of exactly ``dest``'s size (HDF5 then reads it, fill values included).
+        """
+        offset = ds.id.get_offset()
+        nbytes = dest.nbytes
+        if offset is None or ds.id.get_storage_size() != nbytes or not dest.flags.c_contiguous:
+            return False
+        if offset < 0 or offset + nbytes > self.size:
+            raise CorruptCheckpoint(f"{key!r}: dataset at byte {offset} (+{nbytes}) lies beyond the end of the file")
+        view = memoryview(dest.reshape(-1).view(np.uint8))
+        if self._fd is None:
+            self.storage.read_into(self.uri, offset, view)
+            return True
+        done = 0
+        while done < nbytes:
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if not n:
+                raise CorruptCheckpoint(f"{key!r}: file truncated inside the dataset")
+            done += n
+        return True
 
     def read_opaque(self, obj: Any, name: str, key: str) -> bytes:
         """The raw bytes of an opaque attribute (``__BYTES__``), shape (N,) or scalar."""
