@@ -16,6 +16,7 @@ also checks that no temporary file stays behind.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
@@ -158,6 +159,9 @@ class StorageTests:
         for offset in (0, 5 * MiB - 10, 10 * MiB - 1, len(data) - 50):
             assert storage.read_range(uri, offset, 50) == data[offset : offset + 50]
         assert storage.read_all(uri) == data
+        # Over several blocks, the last one short: each read beside the hash of the one before.
+        assert storage.sha256(uri, block_size=2 * MiB) == hashlib.sha256(data).hexdigest()
+        assert storage.sha256(uri) == hashlib.sha256(data).hexdigest()
 
     def test_read_head_tells_the_size_with_the_first_bytes(self, store):
         storage, base = store
