@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptconv.core.errors import Cancelled, InvalidRequest, VerificationFailed
+from ckptconv.core.errors import Cancelled, VerificationFailed
 from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
 from ckptconv.engine.plan import identity_plan
@@ -274,21 +274,36 @@ def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
     assert resolve_parallelism("auto", (2 << 30) + 1, "cs-h5") == 2  # one part per 2 GiB by default
     assert resolve_parallelism("auto", 1 << 50, "cs-h5") == 16  # capped by the setting's default
     assert resolve_parallelism("auto", 1 << 50, "cs-h5", AutoParallelism(1, 1000)) == 256  # and by 256
-    assert resolve_parallelism("auto", 1 << 50, "cs-s3") == 1  # a format that cannot fan out: 1, no error
+    assert resolve_parallelism("auto", 1 << 50, "dcp") == 1  # a format that cannot fan out: 1, no error
     source = _source(tmp_path, "safetensors")  # about 14 MiB of output: 3 parts of 5 MiB
     expected = _single(source, str(tmp_path / "one" / "m.safetensors"), "safetensors")
     auto = AutoParallelism(part_bytes=5 * MiB, max_parts=8)
     result = convert(source, str(tmp_path / "auto" / "m.safetensors"), parallelism="auto", auto_parallelism=auto)
     assert result.extras["parallelism"] == 3
     assert [o.sha256 for o in result.outputs] == expected
-    one = convert(source, str(tmp_path / "cs" / "m"), to="cs-s3", parallelism="auto", auto_parallelism=auto)
-    assert "parallelism" not in one.extras
 
 
-def test_formats_without_a_known_layout_refuse_parallelism(tmp_path: Path) -> None:
-    source = _source(tmp_path, "safetensors")
-    with pytest.raises(InvalidRequest, match="parallelism > 1"):
-        convert(source, str(tmp_path / "x"), to="cs-s3", parallelism=2)
+def _objects(result, base: str) -> list[tuple[str, str, dict]]:
+    """Each output object of a cs-s3 checkpoint under ``base``: its name, sha256 and S3 user metadata."""
+    storage = open_storage(base)
+    meta = (lambda uri: storage.user_metadata(uri)) if base.startswith("s3://") else (lambda uri: {})
+    return sorted((o.uri[len(base) :], _sha(o.uri), meta(o.uri)) for o in result.outputs)
+
+
+@pytest.mark.parametrize(("source_fmt", "where"), [("safetensors", "local"), ("cs-h5", "s3"), ("torch", "s3")])
+def test_cs_s3_fans_out_object_by_object_to_the_single_worker_objects(source_fmt, where, tmp_path: Path, s3_bucket):
+    # One object per key: parts are objects (big ones cut by bytes), each with its user metadata.
+    source = _source(tmp_path, source_fmt)
+    base = f"s3://{s3_bucket}" if where == "s3" else str(tmp_path)
+    one = convert(source, f"{base}/one/ckpt", to="cs-s3")
+    three = convert(source, f"{base}/three/ckpt", to="cs-s3", parallelism=3, job_id="fan-cs-s3")
+    assert three.extras["parallelism"] == 3 and three.verify["ok"] is True
+    expected = _objects(one, f"{base}/one")
+    assert _objects(three, f"{base}/three") == expected and len(expected) == len(_tensors()) + 1
+    assert all(o.sha256 == _sha(o.uri) for o in three.outputs)
+    if where == "s3":
+        assert any(meta for _, _, meta in expected)  # the objects' metadata made it through the uploads
+        assert _uploads(s3_bucket) == []
 
 
 def _llama(path: Path, hidden: int) -> None:

@@ -119,11 +119,15 @@ def test_auto_parallelism_follows_the_output_size_and_the_settings_cap(service: 
         assert job["state"] == "succeeded", job.get("error")
         assert job["result"]["extras"]["parallelism"] == 3
         assert _sha256s(job) == _single_worker_sha256(source, f"{service.tmp}/out/fan-auto/one", "safetensors")
-        # A format that cannot be split: auto runs it as one part, not an error.
-        job = c.submit(source, f"{service.tmp}/out/fan-auto/cs", to="cs-s3", options={"parallelism": "auto"})
+        # An object per key: the parts are objects, split by bytes.
+        job = c.submit(source, f"s3://{b}/team/fan-auto/cs", to="cs-s3", options={"parallelism": "auto"})
         job = c.wait(job["id"], timeout=300)
     assert job["state"] == "succeeded", job.get("error")
-    assert "parallelism" not in (job["result"].get("extras") or {})
+    assert job["result"]["extras"]["parallelism"] == 3
+    objects = sorted(o["uri"].rsplit("/", 1)[-1] for o in job["result"]["outputs"])
+    single = _single_worker_sha256(source, f"s3://{b}/team/fan-auto/one", "cs-s3")
+    assert sorted(_sha256s(job)) == sorted(single) and len(objects) == 27
+    assert not listing(b, "team/.ckptconv-staging") and _uploads(b) == []
 
 
 def _slow_service(redis_url: str, bucket: str, s3_server: str, tmp: Path, proxy) -> Service:

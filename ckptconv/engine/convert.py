@@ -104,8 +104,8 @@ def convert(
 
     ``shard_by`` (TensorFlow targets): glob patterns of weight names, one data file per pattern in
     that order (a tensor goes to the first pattern it matches), the rest in a last file.
-    ``parallelism`` > 1 cuts the output into that many parts by bytes (safetensors, cs-h5, torch
-    and tf targets; see :mod:`ckptconv.engine.fanout`), which ``parts`` hands out to workers (default:
+    ``parallelism`` > 1 cuts the output into that many parts by bytes (every target format that
+    lays its files out up front, see :mod:`ckptconv.engine.fanout`), which ``parts`` hands out to workers (default:
     all of them in this process, one after another); ``"auto"`` picks the count from the output's
     size (``auto_parallelism``, see :func:`~ckptconv.engine.fanout.resolve_parallelism`).
     """

@@ -20,6 +20,7 @@ use. There is no atomic rename on S3: a reader tells a finished checkpoint by ``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -44,15 +45,19 @@ from ckptconv.formats.base import Entry, OutputFile, TensorSource
 from ckptconv.formats.cs_base import CerebrasSink, cast_array, decode_object, follow_link, full_tensor, release_of
 from ckptconv.formats.cs_serializers import (
     FORMAT_VERSION,
+    array_metadata,
     check_unique_keys,
     numpy_dtype_name,
     parse_key_record,
     parse_root_spec,
     root_spec_text,
     stored_numpy_dtype,
+    tensor_metadata,
 )
+from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.formats.links import refuse_link_cycles
 from ckptconv.formats.memory import empty_tensor
+from ckptconv.formats.sharding import create_local_skeletons
 from ckptconv.formats.tree import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -336,6 +341,10 @@ class CsS3Sink(CerebrasSink):
     As with ``cstorch.save``, objects appear under the prefix while writing; the checkpoint counts
     as written only once ``__METADATA__`` carries ``__SUCCESS__`` (written by ``commit``, last).
     ``abort`` deletes everything under the prefix (which ``begin`` required to be empty).
+
+    ``skeleton`` (ckptconv.engine.fanout): every uncompressed, non-empty tensor's object is a file
+    of one span that other processes write (with its user metadata); the other objects and the
+    final ``__METADATA__`` are written whole by ``finish_skeleton``.
     """
 
     format = "cs-s3"
@@ -348,6 +357,9 @@ class CsS3Sink(CerebrasSink):
         self._outputs: list[OutputFile] = []
         self._started = False
         self._root: dict[str, Any] = {}
+        self.skeleton = bool(options.get("skeleton", False))
+        self._laid_out: list[FileLayout] = []
+        self._skeletons: list[str] = []  # preallocated local files (abort removes them with the prefix)
 
     def _begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
         spec = self._prepare(entries, spec)
@@ -359,16 +371,25 @@ class CsS3Sink(CerebrasSink):
             "__cstorch_version__": self.cstorch_version,
         }
         self._started = True
-        self._put(self.storage.join(self.prefix, METADATA), pickle.dumps(self._root, protocol=4), None, overwrite=False)
+        if not self.skeleton:  # a skeleton's __METADATA__ is written once, complete (finish_skeleton)
+            self._put(
+                self.storage.join(self.prefix, METADATA), pickle.dumps(self._root, protocol=4), None, overwrite=False
+            )
+
+    def _user_metadata(self, uri: str, user_md: dict[str, Any] | None) -> dict[str, str] | None:
+        if user_md is None or getattr(self.storage, "scheme", "") != "s3":
+            return None
+        text = json.dumps(user_md)
+        if len(text) > USER_METADATA_LIMIT:  # __METADATA__ carries the same record; S3 allows 2 KiB
+            log.debug("metadata of %s exceeds S3's user metadata limit; kept in __METADATA__ only", uri)
+            return None
+        return {"metadata": text}
 
     def _put(self, uri: str, data: Any, user_md: dict[str, Any] | None, *, overwrite: bool = False) -> int:
         kwargs: dict[str, Any] = {"overwrite": overwrite}
-        if user_md is not None and getattr(self.storage, "scheme", "") == "s3":
-            text = json.dumps(user_md)
-            if len(text) <= USER_METADATA_LIMIT:
-                kwargs["metadata"] = {"metadata": text}
-            else:  # __METADATA__ carries the same record; S3 refuses more than 2 KiB of user metadata
-                log.debug("metadata of %s exceeds S3's user metadata limit; kept in __METADATA__ only", uri)
+        metadata = self._user_metadata(uri, user_md)
+        if metadata is not None:
+            kwargs["metadata"] = metadata
         view = memoryview(data).cast("B")
         with self.storage.open_writer(uri, **kwargs) as w:
             for start in range(0, len(view), _RANGE):
@@ -403,8 +424,54 @@ class CsS3Sink(CerebrasSink):
     def _upload(self, key: str, data: Any, md: dict[str, Any]) -> dict[str, Any]:
         uri = self.storage.join(self.prefix, key)
         size = self._put(uri, data, md)
-        self._outputs.append(OutputFile(uri, size, None, "data"))
+        sha = hashlib.sha256(data).hexdigest() if self.skeleton else None  # a side file of the fan-out
+        self._outputs.append(OutputFile(uri, size, sha, "data"))
         return md
+
+    # --- the layout, for outputs written by several processes (ckptconv.engine.fanout) --------------
+
+    def placed_keys(self) -> set[str]:
+        """Tensors and arrays stored raw (uncompressed, at least one byte): an object of one span."""
+        if not self.skeleton or self.compress:
+            return set()
+        return {e.key for e in self._todo if e.kind in ("tensor", "array") and e.nbytes > 0}
+
+    def _reserve(self, key: str) -> None:
+        entry = self._due[key]
+        self.check([entry])
+        dtype, shape = str(entry.dtype), tuple(entry.shape or ())
+        md = tensor_metadata(dtype, shape) if entry.kind == "tensor" else array_metadata(dtype == "bfloat16")
+        md["__NUMPY__"] = {"shape": list(shape), "dtype": str(np.dtype(stored_numpy_dtype(dtype)))}
+        md["compressed"] = False
+        md["data_sizes"] = [entry.nbytes]
+        md["boundaries"] = [entry.nbytes]
+        self._records[key] = md
+        uri = self.storage.join(self.prefix, key)
+        self._laid_out.append(
+            FileLayout(uri, entry.nbytes, [Span(key, key, 0, entry.nbytes)], metadata=self._user_metadata(uri, md))
+        )
+
+    def _finish_skeleton(self) -> list[tuple[FileLayout, bytes]]:
+        """The reserved objects' layouts (no gaps), created preallocated on local storage; the other
+        objects were written whole, and ``__METADATA__``, complete, is written now."""
+        try:
+            create_local_skeletons(self.storage, self._laid_out, [b""] * len(self._laid_out), self._skeletons)
+            root = dict(self._root)
+            for name, text in self._record_texts():
+                root[name] = text
+            root["__SUCCESS__"] = True
+            data = pickle.dumps(root, protocol=4)
+            meta_uri = self.storage.join(self.prefix, METADATA)
+            self._put(meta_uri, data, None)
+        except BaseException:
+            self.abort()
+            raise
+        self._outputs.append(OutputFile(meta_uri, len(data), hashlib.sha256(data).hexdigest(), "index"))
+        self._started = False
+        return [(f, b"") for f in self._laid_out]
+
+    def side_files(self) -> list[OutputFile]:
+        return list(self._outputs)
 
     def _commit(self) -> list[OutputFile]:
         root = dict(self._root)

@@ -59,6 +59,7 @@ class FileLayout:
     spans: list[Span] = field(default_factory=list)
     tail: int | None = None
     checksum: str | None = None
+    metadata: dict[str, str] | None = None  # an S3 object's user metadata (cs-s3 payloads)
 
     @property
     def written_by_parts(self) -> int:
@@ -83,12 +84,13 @@ class FileLayout:
             "spans": [[s.key, s.source, s.offset, s.nbytes] + ([s.kind] if s.kind != DATA else []) for s in self.spans],
             "tail": self.tail,
             "checksum": self.checksum,
+            "metadata": self.metadata,
         }
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> FileLayout:
         spans = [Span(d[0], d[1], int(d[2]), int(d[3]), *d[4:5]) for d in doc["spans"]]
-        return cls(doc["uri"], int(doc["size"]), spans, doc.get("tail"), doc.get("checksum"))
+        return cls(doc["uri"], int(doc["size"]), spans, doc.get("tail"), doc.get("checksum"), doc.get("metadata"))
 
 
 class LayoutRecorder:

@@ -117,10 +117,10 @@ Parallelism = Annotated[
     Annotated[int, Field(ge=1, le=MAX_PARALLELISM)] | Literal["auto"],
     Field(
         description="split the conversion into this many parts, balanced by output bytes, run by as many workers"
-        " and committed together (safetensors, cs-h5, torch and tf targets; a cs-h5 output is then written contiguous,"
+        " and committed together (any target format; a cs-h5 output is then written contiguous,"
         " uncompressed). The output is byte for byte the single-worker output. auto: one part per"
         " CKPTCONV_AUTO_PARALLELISM_PART_BYTES of output (2 GiB), at most CKPTCONV_AUTO_PARALLELISM_MAX (16);"
-        " 1 for a target format that cannot be split",
+        " 1 for an output that cannot be split (a composite model)",
         examples=[4, "auto"],
     ),
 ]

@@ -57,6 +57,7 @@ class PartUpload:
         concurrency: int = DEFAULT_CONCURRENCY,
         overwrite: bool = False,
         upload_id: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
         from ckptconv.storage.s3 import MAX_PART_SIZE, MIN_PART_SIZE
@@ -68,6 +69,7 @@ class PartUpload:
         self._storage = storage
         self._bucket, self._key = storage._object(uri, writing=True)
         self._overwrite = overwrite
+        self._metadata = metadata  # the object's user metadata, given when the upload is created
         self._open: dict[int, tuple[bytearray, int]] = {}  # part -> (buffer, bytes filled)
         self._sent: set[int] = set()
         self._futures: list[Future[dict[str, Any]]] = []
@@ -91,6 +93,8 @@ class PartUpload:
             kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key}
             if s.part_checksums:
                 kwargs["ChecksumAlgorithm"] = "CRC32"
+            if self._metadata:
+                kwargs["Metadata"] = self._metadata
             self._upload_id = s._call(self.uri, s.client.create_multipart_upload, **kwargs)["UploadId"]
         return self._upload_id
 

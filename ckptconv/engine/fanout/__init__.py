@@ -1,7 +1,8 @@
 """One conversion fanned out across several workers: parts cut by output bytes, one commit.
 
 Formats whose byte layout is known before any value is read (safetensors; Cerebras H5 with
-contiguous datasets; torch zip archives, whose members are stored; TensorFlow data files, see
+contiguous datasets; torch zip archives, whose members are stored; TensorFlow data files; the
+objects of a cs-s3 checkpoint, see
 :mod:`ckptconv.formats.layout`) can be written by several processes at once, each its own byte
 ranges. A zip's CRC fields are spans of the value they check; its central directory, which holds
 every CRC, is the file's *tail*, and a bundle's index a *late file*, both written by the commit

@@ -25,7 +25,7 @@ from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload
 
-FANOUT_FORMATS = ("safetensors", "cs-h5", "torch", "tf")
+FANOUT_FORMATS = ("safetensors", "cs-h5", "torch", "tf", "cs-s3")
 POLL_SECONDS = 0.2
 
 
@@ -41,7 +41,7 @@ def _prepare(
 ) -> dict[str, Any]:
     storage = layout.storage
     options = {k: v for k, v in sink_options.items() if v is not None}
-    if to in ("cs-h5", "tf"):
+    if to in ("cs-h5", "tf", "cs-s3"):
         options["skeleton"] = True
     sink = sink_class(to)(storage, layout.sink_uri, **options)
     entries = plan.entries()
@@ -82,7 +82,10 @@ def _prepare(
         storage.write_bytes(_gaps_uri(layout, i), gaps)
         upload_id = None
         if remote:
-            upload_id = PartUpload(storage.backend(f.uri), f.uri, part_size=part_size or DEFAULT_PART_SIZE).upload_id
+            upload = PartUpload(
+                storage.backend(f.uri), f.uri, part_size=part_size or DEFAULT_PART_SIZE, metadata=f.metadata
+            )
+            upload_id = upload.upload_id
         described.append({**f.to_dict(), "upload_id": upload_id})
     doc = {
         "version": 1,
