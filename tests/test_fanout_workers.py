@@ -243,3 +243,84 @@ def test_duplicate_deliveries_run_nothing_twice_and_publish_once(service: Servic
         "team/dup-fan-out/model.mdl.ckptconv-job.json",
     }
     assert not listing(b, "team/.ckptconv-staging") and _uploads(b) == []
+
+
+# The request at which the job's own worker is killed, by stage: creating the upload (prepare),
+# the second part's record (parts: one part recorded, the other written but not recorded),
+# completing the upload (commit). The request is held until its sender is dead, then dropped.
+KILL_AT = {
+    "prepare": lambda method, path: method == "POST" and path.endswith("?uploads"),
+    "parts": lambda method, path: method == "PUT" and "/.fanout/part-" in path,
+    "commit": lambda method, path: method == "POST" and "uploadId=" in path and "/.ckptconv-staging/" in path,
+}
+
+
+@pytest.mark.parametrize(("stage", "reused"), [("prepare", 0), ("parts", 1), ("commit", 2)])
+def test_the_jobs_own_worker_killed_is_taken_over_reusing_the_recorded_parts(
+    stage: str, reused: int, redis_url: str, bucket: str, s3_server: str, tmp_path: Path
+) -> None:
+    """SIGKILL of the worker that prepares and commits a fanned-out job: the next attempt carries on
+    the same fan-out (its recorded parts are not run again), commits the single-worker bytes,
+    and leaves no staging and no multipart upload behind."""
+    import threading
+
+    from bench.faultproxy import FaultProxy
+
+    name = f"takeover-{stage}"
+    _checkpoint(bucket, f"team/{name}/model.safetensors", 24, (512, 512))  # 24 MiB: 5 upload parts
+    source = f"s3://{bucket}/team/{name}/model.safetensors"
+    target = f"s3://{bucket}/team/{name}-out/two/model.mdl"
+    held, release = threading.Event(), threading.Event()
+    s3 = boto3.client("s3")
+    recorded: list[int] = []
+
+    def hold(method: str, path: str, headers: dict[str, str]) -> None:
+        if held.is_set() or f"/team/{name}-out/" not in path or not KILL_AT[stage](method, path):
+            return
+        if stage == "parts" and not recorded:  # the first part's record goes through
+            recorded.append(int(path.rsplit("part-", 1)[1].split(".")[0]))
+            return
+        held.set()
+        release.wait(120)
+        raise OSError("dropped: its sender was killed")
+
+    with FaultProxy(s3_server) as proxy:
+        proxy.on_request = hold
+        svc = Service(
+            redis_url,
+            bucket,
+            tmp_path,
+            prefixes=[f"s3://{bucket}/team/"],
+            env={"AWS_ENDPOINT_URL": proxy.url},
+        )
+        try:
+            svc.start_worker()
+            svc.start_worker()
+            with svc.client() as c:
+                job = c.submit(source, target, to="cs-h5", options={"parallelism": 2})
+                assert held.wait(180), f"the job never reached {stage}"
+                # Both workers: the job's own one, and the sender of the held request when that is
+                # the other (which runs which part depends on message prefetch; on a loaded
+                # machine a lapsed lease may have moved the job already).
+                for victim in svc.procs[1:]:
+                    os.kill(victim.pid, signal.SIGKILL)
+                    victim.wait()
+                release.set()
+                svc.start_worker()
+                job = c.wait(job["id"], timeout=300)
+                last = svc.redis.hgetall(f"{svc.prefix}fanout:{job['id']}:{job['attempts']}")
+        finally:
+            release.set()
+            svc.stop()
+    assert job["state"] == "succeeded" and job["attempts"] >= 2, job.get("error")
+    # The last attempt ran exactly the parts no earlier attempt had recorded: at least those
+    # recorded at the kill are reused (a redelivered part message of the first attempt may record
+    # one more before the takeover).
+    ran = sorted(int(k.split(":")[1]) for k in last if k.startswith("bytes:"))
+    parts_reused = job["result"]["extras"].get("parts_reused", 0)
+    assert parts_reused + len(ran) == 2 and parts_reused >= reused
+    assert stage != "prepare" or parts_reused == 0 or job["attempts"] > 2
+    assert _sha256s(job) == _single_worker_sha256(source, f"s3://{bucket}/team/{name}-out/one/model.mdl", "cs-h5")
+    assert not listing(bucket, "team/.ckptconv-staging") and not listing(bucket, f"team/{name}-out/two/.ckptconv")
+    assert not [k for k in listing(bucket, f"team/{name}-out/") if ".ckptconv-staging" in k]
+    assert s3.list_multipart_uploads(Bucket=bucket, Prefix=f"team/{name}-out/").get("Uploads", []) == []

@@ -16,6 +16,8 @@ commits. This module is the Redis side of that (:class:`RedisPartRunner`) and th
 - **Fenced by the attempt.** A part message names the attempt that queued it. A part runs only
   while the job is ``running`` in that attempt, stops when it is cancelled, taken over or told to
   stop (``stop`` in ``{p}fanout:<job>:<attempt>``), and records nothing once it is not current.
+  A takeover sets ``stop`` for the earlier attempts and waits until their part leases are gone
+  before it carries on (or removes) their fan-out (:meth:`RedisPartRunner.for_attempt`).
 - **Progress and failures** go through the same hash: each part's values and bytes written (the
   job's worker sums them into the job's progress) and the first part failure (the job fails
   with it).
@@ -59,6 +61,7 @@ class RedisPartRunner:
     """:class:`ckptconv.engine.fanout.PartRunner` for one attempt of one job, shared through Redis."""
 
     def __init__(self, store: JobStore, settings: Any, job_id: str, attempt: int) -> None:
+        self.store = store
         self.r = store.r
         self.settings = settings
         self.job_id = job_id
@@ -69,6 +72,9 @@ class RedisPartRunner:
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lost: set[int] = set()
         self._last_report = 0.0
+
+    def for_attempt(self, attempt: int) -> RedisPartRunner:
+        return RedisPartRunner(self.store, self.settings, self.job_id, attempt)
 
     def dispatch(self, count: int) -> None:
         self.r.expire(self.hash, STATE_TTL_SECONDS)

@@ -23,9 +23,12 @@ longer than any visibility timeout short enough to recover quickly from a dead w
   broker re-delivers the message, the lease has expired, and the new worker starts the next
   attempt: it runs the handler again with the same job id. The engine is idempotent per job id (a
   published manifest with this id is returned as is; a staged, verified output of any attempt is
-  published; otherwise staging starts afresh), so the job ends ``succeeded`` with exactly one set
-  of outputs, and nothing partial ever appears at the target (outputs are staged and published
-  create-only with the manifest last). After ``max_attempts`` the job fails with ``worker_lost``.
+  published; a fanned-out job carries on the earlier attempt's fan-out and its recorded parts
+  when the plan is the same, see ``ckptconv.engine.fanout``; otherwise staging starts afresh,
+  and the earlier attempts' staging areas and uploads are removed), so the job ends
+  ``succeeded`` with exactly one set of outputs, and nothing partial ever appears at the target
+  (outputs are staged and published create-only with the manifest last). After
+  ``max_attempts`` the job fails with ``worker_lost``.
 - **Duplicate delivery while the holder lives** (brokers are at-least-once): the second worker
   finds a live lease held by someone else, does not run the job, and drops its copy.
 - **Lease lost while running** (the process stalled, another worker took over): the next beat or

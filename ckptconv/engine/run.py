@@ -42,6 +42,7 @@ from ckptconv.core.errors import (
     TargetExists,
     VerificationFailed,
 )
+from ckptconv.core.fencing import fence
 from ckptconv.core.uri import is_s3, normalize_uri
 from ckptconv.core.version import __version__
 from ckptconv.engine.execute import (
@@ -294,6 +295,7 @@ def stage_manifest(
         "memory": memory,
         **({"extras": jsonable(extras)} if extras else {}),
     }
+    fence(job_id)  # a staged manifest is publishable by any later attempt: a stale one stages none
     storage.write_bytes(staged_manifest, json.dumps(doc, indent=2).encode())
 
 

@@ -39,6 +39,15 @@ flow (all of it inside the job's staging area, under the attempt that runs it, s
 
 A failure or cancellation stops the parts, waits for them to let go, and removes the staging area
 with its incomplete multipart uploads: nothing reaches the target before the commit.
+
+**Takeover** (the job's own worker died; a new attempt runs the job, see :mod:`.run`): the new
+attempt stops the earlier attempts' parts and waits until none holds its lease; then it *adopts*
+the newest earlier fan-out whose plan key (plan, source files, format, options, parts, version)
+equals its own and whose files are intact (gaps and side files there, local files whole, uploads
+still open): ``.fanout/adopted.json`` in its own staging area names that attempt, whose staging
+area its parts and its commit then use, so recorded parts are not run again. Every other earlier
+staging area is removed with its uploads. A stale attempt writes no layout, part record or staged
+manifest (all fenced) and, once it has written its layout, leaves its staging area to its successor.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from ckptconv.core.errors import Cancelled, TargetExists, VerificationFailed
 from ckptconv.core.fencing import fence
 from ckptconv.core.uri import normalize_uri
 from ckptconv.engine.execute import IDENTITY, CancelFn, check_produced, check_written, value_digest
-from ckptconv.engine.fanout.records import _doc_uri, _gaps_uri, _part_uri, _read_doc
+from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri
 from ckptconv.engine.fanout.runner import PartRunner
 from ckptconv.engine.fanout.tail import HeldUpload, held_uri
 from ckptconv.engine.plan import Plan, Step
@@ -102,8 +102,7 @@ def run_part(
     """Write part ``index`` of a prepared fan-out and record it; False when it was recorded before."""
     target = normalize_uri(target)
     storage = open_storage(target)
-    layout = _layout(storage, target, staging, job_id)
-    doc = _read_doc(storage, _doc_uri(layout))
+    layout, doc = _home(_layout(storage, target, staging, job_id))  # the attempt's own, or the one it adopted
     if doc is None:
         raise VerificationFailed("the fan-out layout is missing from staging (the attempt was discarded)")
     if storage.exists(_part_uri(layout, index)):

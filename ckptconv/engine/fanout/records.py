@@ -1,11 +1,20 @@
-"""Where a fanned-out run keeps its records in the staging area: the layout and each part's record."""
+"""Where a fanned-out run keeps its records in the staging area: the layout and each part's record.
+
+An attempt that took over a job may *adopt* the fan-out of an earlier attempt (same plan, same
+layout: see :mod:`ckptconv.engine.fanout.run`): its own staging area then holds only
+``.fanout/adopted.json``, naming the earlier attempt whose staging area holds the layout, the
+files and the part records; its parts and its commit work there.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import ObjectNotFound
+from ckptconv.core.uri import basename, parent
 from ckptconv.engine.staging import _Layout
 from ckptconv.storage.base import Storage
 
@@ -22,6 +31,32 @@ def _part_uri(layout: _Layout, index: int) -> str:
 
 def _gaps_uri(layout: _Layout, index: int) -> str:
     return layout.storage.join(layout.staging, FANOUT_DIR, f"gaps-{index:05d}.bin")
+
+
+def _adopted_uri(layout: _Layout) -> str:
+    return layout.storage.join(layout.staging, FANOUT_DIR, "adopted.json")
+
+
+def _adopt(layout: _Layout, home: _Layout) -> None:
+    """Record in ``layout``'s staging area that its attempt works in ``home``'s (a sibling attempt)."""
+    doc = {"attempt": basename(home.staging)}
+    layout.storage.write_bytes(_adopted_uri(layout), json.dumps(doc).encode())
+
+
+def _home(layout: _Layout) -> tuple[_Layout, dict[str, Any] | None]:
+    """Where the fan-out of ``layout``'s attempt lives (its own staging area, or the one it
+    adopted) and its layout document (None when there is none yet)."""
+    doc = _read_doc(layout.storage, _doc_uri(layout))
+    if doc is not None:
+        return layout, doc
+    pointer = _read_doc(layout.storage, _adopted_uri(layout))
+    if pointer is None:
+        return layout, None
+    attempt = str(pointer.get("attempt", ""))
+    if not attempt.isdigit():  # only ever a sibling attempt of the same job, by number
+        return layout, None
+    home = dataclasses.replace(layout, staging=layout.storage.join(parent(layout.staging), attempt))
+    return home, _read_doc(layout.storage, _doc_uri(home))
 
 
 def _read_doc(storage: Storage, uri: str) -> dict[str, Any] | None:

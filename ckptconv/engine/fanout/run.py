@@ -1,29 +1,35 @@
-"""A fanned-out conversion end to end: prepare the layout, hand out the parts, wait for them, commit."""
+"""A fanned-out conversion end to end: take over (or clean up) an earlier attempt's fan-out, prepare
+the layout, hand out the parts, wait for them, commit."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import Any
 
-from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest, TargetExists
-from ckptconv.core.uri import normalize_uri
+from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest, ObjectNotFound, TargetExists
+from ckptconv.core.fencing import fence
+from ckptconv.core.uri import basename, normalize_uri
+from ckptconv.core.version import __version__
 from ckptconv.engine.execute import CancelFn, ProgressFn, ProgressReporter, value_digest
 from ckptconv.engine.fanout.commit import _commit
 from ckptconv.engine.fanout.part import _reading, compute, run_part
-from ckptconv.engine.fanout.records import _doc_uri, _gaps_uri, _part_uri
+from ckptconv.engine.fanout.records import _adopt, _doc_uri, _gaps_uri, _home, _part_uri, _read_doc
 from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
 from ckptconv.engine.fanout.split import grid_part_size, split_parts
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.publish import ConvertResult, _publish, _resume
-from ckptconv.engine.run import verify_mode
-from ckptconv.engine.staging import _discard, _discard_after_failure, _Layout, _layout
+from ckptconv.engine.run import source_facts, verify_mode
+from ckptconv.engine.staging import _attempt_stagings, _discard, _discard_after_failure, _Layout, _layout
 from ckptconv.formats import sink_class, target_exists
 from ckptconv.formats.base import OutputFile, TensorSource
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload
+
+log = logging.getLogger(__name__)
 
 FANOUT_FORMATS = ("safetensors", "cs-h5", "torch", "tf", "cs-s3")
 POLL_SECONDS = 0.2
@@ -38,6 +44,8 @@ def _prepare(
     parallelism: int,
     sink_options: dict[str, Any],
     extra_files: dict[str, bytes],
+    plan_key: str,
+    job_id: str | None,
 ) -> dict[str, Any]:
     storage = layout.storage
     options = {k: v for k, v in sink_options.items() if v is not None}
@@ -89,6 +97,7 @@ def _prepare(
         described.append({**f.to_dict(), "upload_id": upload_id})
     doc = {
         "version": 1,
+        "plan_key": plan_key,
         "format": to,
         "part_size": part_size,
         "files": described,
@@ -98,8 +107,41 @@ def _prepare(
         "read_digests": read_digests,
         "late": late,
     }
+    # The layout document makes this staging area adoptable by a later attempt: a stale attempt
+    # never writes it (it discards its staging area instead, see run_fanout).
+    fence(job_id)
     storage.write_bytes(_doc_uri(layout), json.dumps(doc).encode())
     return doc
+
+
+def _plan_key(
+    plan: Plan,
+    src: TensorSource,
+    *,
+    to: str,
+    parallelism: int,
+    sink_options: dict[str, Any],
+    extra_files: dict[str, bytes],
+) -> str:
+    """What decides a fan-out's layout and bytes: the plan (entries, recipes, constant values), the
+    source's files (sizes and ETags), the format and its options, the parts, the extra files and
+    this version's code. Two attempts with one key write the same bytes to the same places."""
+    constants = {
+        s.out.key: value_digest(s.out.value)
+        for s in plan.steps
+        if not s.inputs and s.out.kind != "link" and s.out.value is not None
+    }
+    facts = {
+        "version": __version__,
+        "plan": plan.to_dict(),
+        "constants": constants,
+        "source": source_facts(src)["files"],
+        "to": to,
+        "parallelism": parallelism,
+        "sink_options": {k: v for k, v in sink_options.items() if v is not None},
+        "extra_files": {rel: hashlib.sha256(data).hexdigest() for rel, data in extra_files.items()},
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def run_fanout(
@@ -140,34 +182,114 @@ def run_fanout(
     if target_exists(storage, layout.target, to):
         raise TargetExists(f"{layout.target} already exists")
     _discard(layout)  # a previous try of this attempt may have left a partial staging area
+    options = {"sink_options": sink_options or {}, "extra_files": extra_files or {}}
+    key = _plan_key(plan, src, to=to, parallelism=parallelism, **options)
     t0 = time.monotonic()
     count = 0
+    home, doc = layout, None
     try:
-        doc = _prepare(
-            plan,
-            src,
-            layout,
-            to=to,
-            parallelism=parallelism,
-            sink_options=sink_options or {},
-            extra_files=extra_files or {},
-        )
+        home, doc = _take_over(layout, job_id, runner, key)
+        reused = _recorded(home, doc)
+        if doc is None:
+            doc = _prepare(plan, src, layout, to=to, parallelism=parallelism, plan_key=key, job_id=job_id, **options)
         count = len(doc["parts"])
         reporter.stage("converting", plan.tensors_total, sum(f["size"] for f in doc["files"]))
         runner.dispatch(count)
-        _await_parts(plan, src, layout, count, runner, reporter, cancelled, job_id)
+        _await_parts(plan, src, home, count, runner, reporter, cancelled, job_id, reused)
         timings = {"convert_s": round(time.monotonic() - t0, 3)}
-        _commit(
-            plan, src, layout, doc, to=to, job_id=job_id, mode=mode, reporter=reporter, timings=timings, extras=extras
-        )
+        facts = {**(extras or {}), **({"parts_reused": len(reused)} if reused else {})}
+        _commit(plan, src, home, doc, to=to, job_id=job_id, mode=mode, reporter=reporter, timings=timings, extras=facts)
     except BaseException:
         runner.stop()
         runner.wait_idle(count, timeout=max(5.0, 3 * runner.grace_seconds))
-        _discard_after_failure(layout)  # with the multipart uploads under it
+        # A layout document makes the staging area adoptable: once this attempt is stale, its
+        # successor may work there, and removes it itself (with its uploads) when it does not.
+        if doc is None or _still_current(job_id):
+            for area in {layout.staging: layout, home.staging: home}.values():
+                _discard_after_failure(area)  # with the multipart uploads under it
         raise
-    result = _publish(layout, job_id)
+    result = _publish(home, job_id)
     reporter.complete("done", plan.tensors_total, plan.bytes_total)
     return result
+
+
+def _still_current(job_id: str | None) -> bool:
+    """Whether the attempt in scope still owns the job (True outside a worker and when Redis
+    cannot tell: then the job's next attempt, which takes over the staging areas, cleans up)."""
+    try:
+        fence(job_id)
+    except Exception:  # LeaseLost, or Redis away
+        return False
+    return True
+
+
+def _take_over(
+    layout: _Layout, job_id: str | None, runner: PartRunner, plan_key: str
+) -> tuple[_Layout, dict[str, Any] | None]:
+    """Before a takeover fans out: stop the parts of the job's earlier attempts and wait until they
+    let go of them; then adopt the newest earlier fan-out with this plan's key whose files are
+    intact (its completed parts are not run again), and remove every other earlier staging area
+    with its multipart uploads. Returns where the fan-out lives and its layout document (None:
+    prepare afresh in ``layout``)."""
+    if job_id is None:
+        return layout, None
+    own = basename(layout.staging)
+    earlier = [
+        s
+        for s in _attempt_stagings(layout, job_id)
+        if s.staging != layout.staging and not (own.isdigit() and _number(s) >= int(own))
+    ]
+    if not earlier:
+        return layout, None
+    fence(job_id)  # a stale attempt stops nobody's parts
+    found = [(s, *_home(s)) for s in earlier]
+    for area, _, doc in found:
+        if doc is not None and _number(area) >= 0:
+            prior = runner.for_attempt(_number(area))
+            prior.stop()
+            prior.wait_idle(len(doc["parts"]), timeout=max(5.0, 3 * runner.grace_seconds))
+    adoptable = [(home, doc) for _, home, doc in found if doc is not None and doc.get("plan_key") == plan_key]
+    adopted = next(((home, doc) for home, doc in adoptable if _intact(home, doc)), None)
+    fence(job_id)
+    if adopted is not None:
+        _adopt(layout, adopted[0])
+        log.info("job %s: adopting the fan-out staged by attempt %s", job_id, basename(adopted[0].staging))
+    for area in earlier:
+        if adopted is None or area.staging != adopted[0].staging:
+            _discard(area)  # with its multipart uploads
+    return adopted or (layout, None)
+
+
+def _number(area: _Layout) -> int:
+    """The attempt number of a staging area (-1 for a name that is not one)."""
+    name = basename(area.staging)
+    return int(name) if name.isdigit() else -1
+
+
+def _intact(home: _Layout, doc: dict[str, Any]) -> bool:
+    """Whether an earlier attempt's fan-out can be carried on: its gaps and side files are there,
+    each local file whole, each S3 upload still open (no commit completed one)."""
+    storage = home.storage
+    try:
+        for i, f in enumerate(doc["files"]):
+            if not storage.exists(_gaps_uri(home, i)):
+                return False
+            if f["upload_id"] is not None:
+                if storage.exists(f["uri"]):
+                    return False
+            elif storage.stat(f["uri"]).size != f["size"]:
+                return False
+        return all(storage.exists(uri) for uri, *_ in doc["side_files"])
+    except ObjectNotFound:
+        return False
+
+
+def _recorded(home: _Layout, doc: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """The part records an adopted fan-out already holds, by part."""
+    if doc is None:
+        return {}
+    records = {i: _read_doc(home.storage, _part_uri(home, i)) for i in range(len(doc["parts"]))}
+    return {i: r for i, r in records.items() if r is not None}
 
 
 def _await_parts(
@@ -179,13 +301,17 @@ def _await_parts(
     reporter: ProgressReporter,
     cancelled: CancelFn | None,
     job_id: str | None,
+    reused: dict[int, dict[str, Any]],
 ) -> None:
     """Until every part is recorded: run the parts nobody claimed (the last first: other workers
     take them from the front of the queue), relay progress, stop on a failed part or a cancel."""
     storage = layout.storage
     dispatched = time.monotonic()
-    pending = set(range(count))
-    mine = count - 1  # run at once: this worker is one of the job's workers
+    pending = set(range(count)) - set(reused)
+    # Progress counts the parts an earlier attempt completed as done.
+    reused_tensors = sum(len(r["digests"]) for r in reused.values())
+    reused_bytes = sum(e - s for r in reused.values() for _, s, e, _ in r["ranges"])
+    mine = max(pending, default=-1)  # run at once: this worker is one of the job's workers
     while pending:
         if cancelled is not None and cancelled():
             raise Cancelled("cancelled by request; nothing was published")
@@ -215,8 +341,8 @@ def _await_parts(
                     pending.discard(i)
             mine = -1
         tensors, nbytes = runner.reported()
-        reporter.current.tensors_done = min(tensors, plan.tensors_total)
-        reporter.current.bytes_done = nbytes
+        reporter.current.tensors_done = min(tensors + reused_tensors, plan.tensors_total)
+        reporter.current.bytes_done = nbytes + reused_bytes
         reporter.advance(0, 0)
         if pending and not stealable:
             time.sleep(POLL_SECONDS)

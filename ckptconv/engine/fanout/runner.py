@@ -14,6 +14,9 @@ class PartRunner(Protocol):
     # Seconds a dispatched part may stay unclaimed before the job's own worker runs it itself.
     grace_seconds: float
 
+    def for_attempt(self, attempt: int) -> PartRunner:
+        """The runner of another attempt of the same job (a takeover stops that attempt's parts)."""
+
     def dispatch(self, count: int) -> None:
         """Queue one task for each of parts ``0 .. count - 1``."""
 
@@ -46,6 +49,9 @@ class InlineRunner:
 
     def __init__(self) -> None:
         self._progress: dict[int, tuple[int, int]] = {}
+
+    def for_attempt(self, attempt: int) -> InlineRunner:
+        return InlineRunner()
 
     def dispatch(self, count: int) -> None:
         pass
