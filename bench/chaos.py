@@ -1,14 +1,18 @@
 """Chaos run of the whole service: the long version of tests/test_faults.py.
 
     .venv/bin/python -m bench.chaos [--rounds 20] [--submissions 2000] [--workers 2] [--tensors 120]
+                                    [--fanout-jobs 6]
 
 Starts everything on loopback, in a temporary directory: a moto S3 server, a private
 ``redis-server`` with an append-only file, an API process and ``--workers`` worker processes. Then:
 
 1. **Kill rounds**: each round submits a conversion, waits for a random moment of it (converting,
    verifying, or just after it was taken), SIGKILLs the worker running it and starts another one.
-   Half-way, Redis itself is restarted (clean shutdown, AOF kept). A thread lists every target
-   all along to catch anything partial that becomes visible.
+   Two rounds in three are fanned out (``parallelism`` 2 to 4, a 12 MiB checkpoint) to an S3 or
+   a local target; their victim is the job's own worker (which prepares and commits), or at the
+   moment ``part`` a worker running one of its parts. Half-way, Redis itself is restarted (clean
+   shutdown, AOF kept). A thread lists every target all along to catch anything partial that
+   becomes visible.
 2. **Submission storm**: ``--submissions`` jobs, each Idempotency-Key sent twice at once, plus, for
    one in ten, a second key naming the same target (exactly one of them must win). Jobs of the
    storm use small checkpoints; the ones still queued at the end are cancelled.
@@ -16,14 +20,17 @@ Starts everything on loopback, in a temporary directory: a moto S3 server, a pri
    ``bench/faultproxy.py`` all along; in this phase it answers 500s, lost answers, resets mid-body,
    short bodies and stalls, first at ``--s3-rate`` (5%: jobs must succeed through retries), then
    at ``--exhaust-rate`` with a retry budget of ``--exhaust-attempts`` (jobs must fail with
-   ``storage_error`` and leave nothing behind).
+   ``storage_error`` and leave nothing behind). Each fault phase adds ``--fanout-jobs`` fanned-out
+   conversions, to S3 and local targets in turn.
 
 Then prints, for each phase: jobs lost (accepted, later 404), stuck (not final at the end),
 duplicated (two jobs for one key or one target), overwritten (outputs whose bytes differ from their
 job's result), partial outputs visible (seen while running or left at a target without their
-manifest), staging and temp bytes left, untyped errors (failures without a typed code, or
-internal_error), 5xx answers (with how many came while Redis was restarting), and S3 requests of
-the workers outside the key's prefixes. Never asserts; bounded in time; cleans up after itself.
+manifest), staging and temp bytes left, multipart uploads left open (per phase, and in the
+whole bucket at the end), untyped errors (failures without a typed code, or internal_error),
+5xx answers (with how many came while Redis was restarting), and S3 requests of the workers
+outside the key's prefixes (local targets' reads and writes are not watched). Never asserts;
+bounded in time; cleans up after itself.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 TYPED_FAILURES_EXCLUDED = {"internal_error", None, ""}
 # The chaos key reaches these prefixes of its bucket only; every phase works inside one of them.
 PHASE_PREFIXES = ("in/", "kill/", "storm/", "s3ok/", "s3exhaust/")
+LOCAL = "local:"  # listings name a file under the local targets' root with this prefix
+FANOUT_TENSORS = 48  # x 256 KiB: 12 MiB, several parts on S3's 5 MiB part grid and on local MiB units
 
 
 class Stack:
@@ -77,7 +86,10 @@ class Stack:
         self.key = "ckc_chaos-" + uuid.uuid4().hex
         from ckptconv.core.auth import hash_key
 
-        prefixes = json.dumps([f"s3://{self.bucket}/{p}" for p in PHASE_PREFIXES])
+        # Local targets (fanned out over workers of this one host) live under their own root.
+        self.local = tmp / "local"
+        self.local.mkdir()
+        prefixes = json.dumps([f"s3://{self.bucket}/{p}" for p in PHASE_PREFIXES] + [f"{self.local}/"])
         (tmp / "keys.yaml").write_text(
             f"keys:\n  - name: chaos\n    sha256: {hash_key(self.key)}\n    prefixes: {prefixes}\n"
         )
@@ -237,22 +249,50 @@ class Api:
         raise RuntimeError(f"{method} {path}: no answer")
 
 
-def make_checkpoint(stack: Stack, key: str, n: int, seed: int) -> None:
+def make_checkpoint(stack: Stack, key: str, n: int, seed: int, dim: int = 16) -> None:
     import torch
     from safetensors.torch import save
 
     g = torch.Generator().manual_seed(seed)
-    tensors = {f"layers.{i}.weight": torch.randn(16, 16, generator=g) for i in range(n)}
+    tensors = {f"layers.{i}.weight": torch.randn(dim, dim, generator=g) for i in range(n)}
     stack.s3.put_object(Bucket=stack.bucket, Key=key, Body=save(tensors))
 
 
 def listing(stack: Stack, prefix: str) -> dict[str, int]:
+    """Sizes by key of the S3 objects under ``prefix`` and of the local files under the same
+    prefix of the local root (keyed ``local:<path>``)."""
     pages = stack.s3.get_paginator("list_objects_v2").paginate(Bucket=stack.bucket, Prefix=prefix)
-    return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+    found = {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+    for path in list((stack.local / prefix).rglob("*")):
+        try:
+            if path.is_file():
+                found[LOCAL + str(path.relative_to(stack.local))] = path.stat().st_size
+        except OSError:  # removed while listed
+            pass
+    return found
 
 
-def submit(api: Api, source: str, target: str, key: str) -> Any:
-    body = {"kind": "convert", "source": {"uri": source}, "target": {"uri": target, "format": "cs-h5"}}
+def key_of(stack: Stack, uri: str) -> str:
+    """The listing key of an output URI (an S3 key, or ``local:`` and the path under the local root)."""
+    if uri.startswith("s3://"):
+        return uri.split("/", 3)[3]
+    return LOCAL + str(Path(uri).relative_to(stack.local))
+
+
+def read(stack: Stack, key: str) -> bytes:
+    if key.startswith(LOCAL):
+        return (stack.local / key[len(LOCAL) :]).read_bytes()
+    return stack.s3.get_object(Bucket=stack.bucket, Key=key)["Body"].read()
+
+
+def target_uri(stack: Stack, where: str, path: str) -> str:
+    return f"s3://{stack.bucket}/{path}" if where == "s3" else f"{stack.local}/{path}"
+
+
+def submit(api: Api, source: str, target: str, key: str, parallelism: int = 1) -> Any:
+    body: dict[str, Any] = {"kind": "convert", "source": {"uri": source}, "target": {"uri": target, "format": "cs-h5"}}
+    if parallelism > 1:
+        body["options"] = {"parallelism": parallelism}
     return api.call("POST", "/v1/jobs", json=body, headers={"Idempotency-Key": key})
 
 
@@ -261,14 +301,23 @@ def job_of(api: Api, job_id: str) -> dict[str, Any] | None:
     return r.json() if r.status_code == 200 else None
 
 
-def worker_running(stack: Stack, job_id: str) -> subprocess.Popen | None:
+def worker_running(stack: Stack, job_id: str, part: bool = False) -> subprocess.Popen | None:
+    """The live worker process running the job (its own worker), or with ``part`` one running a
+    part of it (another worker than the job's own when there is one)."""
     import redis
 
-    token = redis.Redis(port=stack.redis_port, decode_responses=True).hget(f"{stack.prefix}job:{job_id}", "worker")
-    if not token:
-        return None
-    pid = int(token.split(":")[1])
-    return next((p for p in stack.workers if p.pid == pid and p.poll() is None), None)
+    r = redis.Redis(port=stack.redis_port, decode_responses=True)
+    token = r.hget(f"{stack.prefix}job:{job_id}", "worker")
+    tokens = [token] if token else []
+    if part:
+        held = [r.get(k) for k in r.scan_iter(f"{stack.prefix}part:{job_id}:*")]
+        tokens = sorted((t for t in held if t), key=lambda t: t == token) + tokens
+    for t in tokens:
+        pid = int(t.split(":")[1])
+        proc = next((p for p in stack.workers if p.pid == pid and p.poll() is None), None)
+        if proc is not None:
+            return proc
+    return None
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -300,15 +349,22 @@ class Watcher:
 
 def kill_rounds(stack: Stack, api: Api, rounds: int, tensors: int, report: dict[str, Any]) -> list[str]:
     make_checkpoint(stack, "in/kill.safetensors", tensors, 1)
-    source = f"s3://{stack.bucket}/in/kill.safetensors"
+    make_checkpoint(stack, "in/kill-fan.safetensors", FANOUT_TENSORS, 4, dim=256)
     jobs: list[str] = []
     watcher = Watcher(stack, "kill/")
     kills = 0
+    fanned = {"s3": 0, "local": 0}
     for rnd in range(rounds):
-        r = submit(api, source, f"s3://{stack.bucket}/kill/{rnd}/model.mdl", f"kill-{rnd}")
+        # One round in three a single worker to S3, then a fan-out to S3, then one to a local target.
+        where, parallelism = [("s3", 1), ("s3", random.randint(2, 4)), ("local", random.randint(2, 4))][rnd % 3]
+        source = f"s3://{stack.bucket}/in/{'kill' if parallelism == 1 else 'kill-fan'}.safetensors"
+        target = target_uri(stack, where, f"kill/{rnd}/model.mdl")
+        r = submit(api, source, target, f"kill-{rnd}", parallelism)
         job_id = r.json()["id"]
         jobs.append(job_id)
-        moment = random.choice(["converting", "verifying", "taken"])
+        moment = random.choice(["converting", "verifying", "taken"] + (["part"] if parallelism > 1 else []))
+        if parallelism > 1:
+            fanned[where] += 1
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             job = job_of(api, job_id) or {}
@@ -319,30 +375,40 @@ def kill_rounds(stack: Stack, api: Api, rounds: int, tensors: int, report: dict[
                 break
             if stage == moment and (job.get("progress") or {}).get("tensors_done", 0) > 0:
                 break
+            if moment == "part" and stage == "converting" and worker_running(stack, job_id, part=True):
+                break
             time.sleep(0.1)
-        victim = worker_running(stack, job_id)
+        victim = worker_running(stack, job_id, part=moment == "part")
         if victim is not None:
             os.kill(victim.pid, signal.SIGKILL)
             victim.wait()
             kills += 1
             stack.workers.remove(victim)
             stack.workers.append(stack.start_worker())
-        print(f"  round {rnd + 1}/{rounds}: killed at {moment}" + ("" if victim else " (already done)"), flush=True)
+        shape = f"{where}, parallelism {parallelism}"
+        print(
+            f"  round {rnd + 1}/{rounds} ({shape}): killed at {moment}" + ("" if victim else " (already done)"),
+            flush=True,
+        )
         if rnd == rounds // 2:
             print("  restarting Redis (AOF)", flush=True)
             stack.restart_redis()
     wait_final(api, jobs, timeout=900)
     report["kills"] = kills
+    report["fanned"] = fanned
     report["partial_seen"] = partial_seen(api, jobs, watcher.stop(), listing(stack, "kill/"))
     return jobs
 
 
 def s3_faults(
-    stack: Stack, api: Api, prefix: str, n: int, tensors: int, rate: float, report: dict[str, Any]
+    stack: Stack, api: Api, prefix: str, n: int, tensors: int, rate: float, fanout: int, report: dict[str, Any]
 ) -> list[str]:
-    """``n`` conversions while the proxy injects faults into every ``rate``-th S3 call of the workers."""
+    """``n`` conversions and ``fanout`` fanned-out ones (to S3 and local targets in turn) while the
+    proxy injects faults into every ``rate``-th S3 call of the workers."""
     source_key = f"in/{prefix.rstrip('/')}.safetensors"
     make_checkpoint(stack, source_key, tensors, 3)
+    fan_key = f"in/{prefix.rstrip('/')}-fan.safetensors"
+    make_checkpoint(stack, fan_key, FANOUT_TENSORS, 5, dim=256)
     before = stack.proxy.requests, sum(stack.proxy.counts.values())
     watcher = Watcher(stack, prefix)
     stack.proxy.rate = rate
@@ -351,13 +417,20 @@ def s3_faults(
         for i in range(n):
             target = f"s3://{stack.bucket}/{prefix}{i}/model.mdl"
             jobs.append(submit(api, f"s3://{stack.bucket}/{source_key}", target, f"{prefix}{i}").json()["id"])
+        for i in range(n, n + fanout):
+            target = target_uri(stack, "s3" if i % 2 == 0 else "local", f"{prefix}{i}/model.mdl")
+            source = f"s3://{stack.bucket}/{fan_key}"
+            jobs.append(submit(api, source, target, f"{prefix}{i}", random.randint(2, 4)).json()["id"])
         wait_final(api, jobs, timeout=900)
     finally:
         stack.proxy.rate = 0.0
     report["partial_seen"] = partial_seen(api, jobs, watcher.stop(), listing(stack, prefix))
     report["s3_requests"] = stack.proxy.requests - before[0]
     report["s3_faults"] = sum(stack.proxy.counts.values()) - before[1]
-    print(f"  {n} jobs, {report['s3_faults']} faults in {report['s3_requests']} S3 requests", flush=True)
+    print(
+        f"  {n} + {fanout} fanned-out jobs, {report['s3_faults']} faults in {report['s3_requests']} S3 requests",
+        flush=True,
+    )
     return jobs
 
 
@@ -368,8 +441,8 @@ def partial_seen(api: Api, jobs: list[str], snapshots: list[dict[str, int]], fin
     for job_id in jobs:
         job = job_of(api, job_id) or {}
         if job.get("state") == "succeeded":
-            outs = {o["uri"].split("/", 3)[3]: o["size"] for o in job["result"]["outputs"]}
-            finals[job["result"]["manifest"].split("/", 3)[3]] = outs
+            outs = {key_of(api.stack, o["uri"]): o["size"] for o in job["result"]["outputs"]}
+            finals[key_of(api.stack, job["result"]["manifest"])] = outs
     for snap in snapshots:
         for key, size in snap.items():
             if key.endswith(".ckptconv-job.json") or ".ckptconv-staging" in key:
@@ -469,17 +542,14 @@ def audit(stack: Stack, api: Api, jobs: list[str], prefix: str, report: dict[str
                 duplicated += 1
             targets_done[target] = job_id
             for o in job["result"]["outputs"]:
-                key = o["uri"].split("/", 3)[3]
                 try:
-                    data = stack.s3.get_object(Bucket=stack.bucket, Key=key)["Body"].read()
+                    data = read(stack, key_of(stack, o["uri"]))
                 except Exception:
                     overwritten += 1
                     continue
                 if not holds_output(data, o):  # sha256, or the block digest of a file written out of order
                     overwritten += 1
-            manifest = json.loads(
-                stack.s3.get_object(Bucket=stack.bucket, Key=job["result"]["manifest"].split("/", 3)[3])["Body"].read()
-            )
+            manifest = json.loads(read(stack, key_of(stack, job["result"]["manifest"])))
             if manifest.get("job_id") != job_id:
                 overwritten += 1
     # Targets with data but no manifest (a partial output left behind).
@@ -542,6 +612,7 @@ def main() -> None:
     parser.add_argument("--s3-rate", type=float, default=0.05, help="fault rate the retries must absorb")
     parser.add_argument("--exhaust-rate", type=float, default=0.25, help="fault rate that exhausts the budget")
     parser.add_argument("--exhaust-attempts", type=int, default=2, help="the storage retry budget of that phase")
+    parser.add_argument("--fanout-jobs", type=int, default=6, help="fanned-out conversions added to each S3 phase")
     args = parser.parse_args()
     random.seed(11)
     tmp = Path(tempfile.mkdtemp(prefix="ckptconv-chaos-"))
@@ -571,15 +642,21 @@ def main() -> None:
         phase("kill rounds", "kill/", lambda r: kill_rounds(stack, api, args.rounds, args.tensors, r))
         phase("storm", "storm/", lambda r: storm(stack, api, args.submissions, r))
         phase(
-            "S3 faults", "s3ok/", lambda r: s3_faults(stack, api, "s3ok/", args.s3_jobs, args.tensors, args.s3_rate, r)
+            "S3 faults",
+            "s3ok/",
+            lambda r: s3_faults(stack, api, "s3ok/", args.s3_jobs, args.tensors, args.s3_rate, args.fanout_jobs, r),
         )
         stack.replace_workers(CKPTCONV_STORAGE_ATTEMPTS=str(args.exhaust_attempts))
         phase(
             "S3 budget exhausted",
             "s3exhaust/",
-            lambda r: s3_faults(stack, api, "s3exhaust/", args.s3_jobs, args.tensors, args.exhaust_rate, r),
+            lambda r: s3_faults(
+                stack, api, "s3exhaust/", args.s3_jobs, args.tensors, args.exhaust_rate, args.fanout_jobs, r
+            ),
         )
         seconds = round(time.monotonic() - t0, 1)
+        # Every phase's uploads are counted under its prefix; this catches one anywhere else.
+        uploads_left = len(stack.s3.list_multipart_uploads(Bucket=stack.bucket).get("Uploads", []))
     finally:
         stack.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -590,7 +667,9 @@ def main() -> None:
     kill, st = phases["kill rounds"], phases["storm"]
     lines += [
         "",
-        f"workers killed: {kill['kills']}",
+        f"workers killed: {kill['kills']} (fanned-out rounds: {kill['fanned']['s3']} to S3, "
+        f"{kill['fanned']['local']} to local targets)",
+        f"multipart uploads left open in the whole bucket: {uploads_left}",
         f"storm: {st['storm_requests']} requests in {st['storm_seconds']} s; "
         f"{st['storm_refused_rivals']} rival keys refused with target_taken; "
         f"{st['storm_unexpected_answers']} unexpected answers",
