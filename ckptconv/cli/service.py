@@ -229,6 +229,17 @@ def _print_json(doc: Any) -> None:
     print()
 
 
+def output_digest(output: dict[str, Any]) -> str:
+    """An output's digest as printed: its sha256, or for a file written out of order (no sha256)
+    its block digest with the block size it was computed over, as the manifest records it."""
+    if output.get("sha256"):
+        return f"sha256:{output['sha256']}"
+    blocks = output.get("sha256_blocks")
+    if blocks:
+        return f"sha256-blocks:{blocks['sha256']} ({human_size(blocks['block_size'])} blocks)"
+    return "sha256:-"
+
+
 def _print_job(job: dict[str, Any]) -> None:
     print(f"job:      {job['id']}  ({job['kind']})")
     print(f"state:    {job['state']}")
@@ -250,7 +261,7 @@ def _print_job(job: dict[str, Any]) -> None:
     if result:
         print("outputs:")
         for o in result.get("outputs", []):
-            print(f"  {o['uri']}  {human_size(o['size'])}  sha256:{o.get('sha256')}")
+            print(f"  {o['uri']}  {human_size(o['size'])}  {output_digest(o)}")
         if result.get("manifest"):
             print(f"manifest: {result['manifest']}")
         for w in result.get("warnings", []):
