@@ -7,11 +7,14 @@ client-side wrapper can hide a request.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import subprocess
 import sys
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,24 @@ from bench.ports import free_port
 
 _LOG_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+"')
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def aws_environ(endpoint: str) -> Iterator[None]:
+    """The AWS variables boto3 reads, pointed at ``endpoint`` with test credentials for the block;
+    the caller's values (or their absence) are restored after."""
+    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class AccessLoggedS3:

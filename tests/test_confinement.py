@@ -13,7 +13,6 @@ the access log shows no request outside ``team/`` and nothing outside the prefix
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ import boto3
 import httpx
 import pytest
 import yaml
-from s3_access_log import AccessLoggedS3
+from s3_access_log import AccessLoggedS3, aws_environ
 from test_e2e_service import Service
 from test_layouts_upgrades import LEGACY_GPT2, _gpt2_cs_state, _iter_files
 from test_simulator_trainer import config as trainer_config
@@ -38,28 +37,21 @@ BURST = {"CKPTCONV_RATE_LIMIT_PER_SECOND": "0"}  # the corpus is a burst of requ
 def world(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("confinement").resolve()
     s3 = AccessLoggedS3(tmp / "s3-access.log")
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ.update(AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    bucket = f"conf-{uuid.uuid4().hex[:10]}"
-    client = boto3.client("s3", endpoint_url=s3.endpoint)
-    for name in (bucket, bucket + "-x"):
-        client.create_bucket(Bucket=name)
-    root = tmp / "root"
-    (root / "team").mkdir(parents=True)
-    (tmp / "svc").mkdir()
-    svc = Service(redis_url, bucket, tmp / "svc", prefixes=[f"s3://{bucket}/team/", f"{root}/team/"], env=BURST)
-    try:
-        svc.start_worker()
-        yield {"svc": svc, "s3": s3, "bucket": bucket, "root": root, "client": client}
-    finally:
-        svc.stop()
-        s3.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with aws_environ(s3.endpoint):
+        bucket = f"conf-{uuid.uuid4().hex[:10]}"
+        client = boto3.client("s3", endpoint_url=s3.endpoint)
+        for name in (bucket, bucket + "-x"):
+            client.create_bucket(Bucket=name)
+        root = tmp / "root"
+        (root / "team").mkdir(parents=True)
+        (tmp / "svc").mkdir()
+        svc = Service(redis_url, bucket, tmp / "svc", prefixes=[f"s3://{bucket}/team/", f"{root}/team/"], env=BURST)
+        try:
+            svc.start_worker()
+            yield {"svc": svc, "s3": s3, "bucket": bucket, "root": root, "client": client}
+        finally:
+            svc.stop()
+            s3.stop()
 
 
 def put(world: dict[str, Any], key: str, body: bytes, bucket: str | None = None) -> None:

@@ -9,7 +9,6 @@ from moto's access log, so every request is seen, whichever part of the code sen
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,33 +17,24 @@ from typing import Any
 import boto3
 import pytest
 import torch
-from s3_access_log import AccessLoggedS3
+from s3_access_log import AccessLoggedS3, aws_environ
 from safetensors.torch import save
 
 from ckptconv.engine.convert import convert, plan_conversion
-
-_AWS = {"AWS_ENDPOINT_URL": None, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("plan-requests")
     s3 = AccessLoggedS3(tmp / "s3-access.log")
-    saved = {k: os.environ.get(k) for k in (*_AWS, "AWS_DEFAULT_REGION")}
-    os.environ.update({**_AWS, "AWS_ENDPOINT_URL": s3.endpoint})
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    bucket = f"plan-{uuid.uuid4().hex[:10]}"
-    client = boto3.client("s3", endpoint_url=s3.endpoint)
-    client.create_bucket(Bucket=bucket)
     try:
-        yield {"s3": s3, "bucket": bucket, "client": client, "tmp": tmp}
+        with aws_environ(s3.endpoint):
+            bucket = f"plan-{uuid.uuid4().hex[:10]}"
+            client = boto3.client("s3", endpoint_url=s3.endpoint)
+            client.create_bucket(Bucket=bucket)
+            yield {"s3": s3, "bucket": bucket, "client": client, "tmp": tmp}
     finally:
         s3.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _requests_of(logged: dict[str, Any], run: Any) -> list[tuple[str, str]]:
