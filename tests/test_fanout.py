@@ -12,6 +12,8 @@ import contextlib
 import hashlib
 import itertools
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -265,6 +267,44 @@ def test_a_cancelled_fan_out_leaves_no_file_and_no_upload(tmp_path: Path, s3_buc
     with pytest.raises(Cancelled):
         convert(source, target, to="cs-h5", parallelism=2, job_id="cancel", cancelled=cancelled)
     assert list(open_storage(target).list(f"s3://{s3_bucket}/")) == []
+    assert _uploads(s3_bucket) == []
+
+
+def test_a_cancelled_part_sends_no_upload_part_after_it_stopped(tmp_path: Path, s3_bucket) -> None:
+    # A part that stops lets go of its lease next: an upload part of it still in flight would reach
+    # the store after another attempt took the part over (and after the cleanup aborted the upload).
+    g = torch.Generator().manual_seed(5)
+    source = str(tmp_path / "many.safetensors")  # 48 MiB: each part sends upload parts mid-way
+    save_file({f"w.{i}": torch.randn(1024, 1024, generator=g) for i in range(12)}, source)
+    client = open_storage(f"s3://{s3_bucket}/").client  # the shared client every part uses
+    started: list[float] = []
+    sent: list[float] = []
+    in_flight = threading.Event()
+    asked = []
+
+    def slow_send(**_: object) -> None:
+        started.append(time.monotonic())
+        in_flight.set()
+        time.sleep(1.5)
+        sent.append(time.monotonic())  # the request leaves right after this hook
+
+    def cancelled() -> bool:
+        # Before a part's third value (8 MiB written: one 6 MiB upload part went out), once that
+        # upload part is on its way.
+        asked.append(1)
+        return len(asked) > 3 and in_flight.wait(10)
+
+    client.meta.events.register("before-send.s3.UploadPart", slow_send)
+    try:
+        with pytest.raises(Cancelled):
+            target = f"s3://{s3_bucket}/team/out/model.mdl"
+            convert(source, target, to="cs-h5", parallelism=2, job_id="cancel-stop", cancelled=cancelled)
+        stopped = time.monotonic()
+        time.sleep(2.0)  # what was still in flight would have been sent by now
+    finally:
+        client.meta.events.unregister("before-send.s3.UploadPart", slow_send)
+    assert started and len(sent) == len(started)
+    assert max(sent) <= stopped, f"an upload part left {max(sent) - stopped:.2f} s after the part stopped"
     assert _uploads(s3_bucket) == []
 
 

@@ -283,6 +283,17 @@ class PartUpload:
         self._pool.shutdown(wait=True)
         return self._storage.stat(self.uri)
 
+    def stop(self) -> None:
+        """Send nothing more from here: parts not yet started are dropped, parts in flight are
+        waited for. The upload stays open for whoever owns it (another process completes it, or
+        the job's cleanup aborts it). A part that stops on cancel or failure calls this before it
+        lets go of its lease, so none of its requests reaches the store after the next owner took
+        over. Idempotent."""
+        if self._state in ("open", "flushed"):
+            self._state = "stopped"
+        self._open.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     def abort(self) -> None:
         """Abort the upload (after the parts in flight ended, or S3 might keep them); idempotent."""
         if self._state != "open":

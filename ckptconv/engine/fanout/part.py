@@ -173,9 +173,13 @@ def run_part(
             else:
                 w.close(sync=True)
     except BaseException:
+        # Before the lease goes: an upload part still in flight would reach the store after
+        # another attempt took the part over.
         for w in writers.values():
             if isinstance(w, LocalPatch):
                 w.close(sync=False)
+            else:
+                w.stop()
         raise
     finally:
         fetcher.stop()

@@ -60,6 +60,10 @@ class HeldUpload:
             self.held[at : at + len(view) - cut] = view[cut:]
             self.holding = True
 
+    def stop(self) -> None:
+        """Stop the upload's parts in flight (see :meth:`PartUpload.stop`); nothing is staged."""
+        self.upload.stop()
+
     def flush(self, size: int) -> list[dict[str, Any]]:
         """Stage the held bytes (this part wrote all of them: they are one unit of the split) and
         send the upload parts before them; returns those, as :meth:`PartUpload.flush`."""
