@@ -58,6 +58,11 @@ def test_uris_under_a_prefix_are_allowed(uri: str) -> None:
         ("s3://b//team/x", PathEscape),
         ("s3://b/team/./x", PathEscape),
         ("s3://b/team/x\x00", InvalidRequest),
+        ("s3://b/team/x\nINFO forged log line", InvalidRequest),  # control characters, any of them
+        ("s3://b/team/x\r", InvalidRequest),
+        ("s3://b/team/\x1b[2Jx", InvalidRequest),
+        ("s3://b/team/x\x7f", InvalidRequest),
+        ("/data/team/x\ty", InvalidRequest),
         ("/data/team/../other/x", PathEscape),
         ("/data/team2/x", Forbidden),
         ("/data/teamx", Forbidden),

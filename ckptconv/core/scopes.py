@@ -14,7 +14,8 @@ Rules:
   local paths normalised and absolute. A URI whose meaning could change between the check and the
   store is refused instead of normalised: ``.``/``..`` segments, empty segments inside an S3 key
   (``a//b``), backslashes, percent-encoded dots, slashes, backslashes or NULs (some S3-compatible
-  stores and proxies decode them), NUL bytes, and bucket names S3 would not accept (uppercase).
+  stores and proxies decode them), control characters (NUL, newline, escape and the rest of C0, and
+  DEL), and bucket names S3 would not accept (uppercase).
 - Local paths are also resolved through symlinks: a link inside a prefix that points outside it
   does not grant what it points to.
 """
@@ -33,6 +34,9 @@ from ckptconv.core.uri import local_path_of, scheme_of
 
 # %2e '.', %2f '/', %5c '\', %00 NUL: decoded by some stores and proxies before the key is used.
 _ENCODED = re.compile(r"%(2e|2f|5c|00)", re.IGNORECASE)
+# C0 controls and DEL: legal in S3 keys and Linux file names, but a newline or an escape sequence in
+# a URI forges lines in logs and terminals that print it, and no checkpoint needs one.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # The characters of S3 bucket names (lowercase letters, digits, dots and hyphens, at most 63): a
 # bucket is compared as written, so a spelling a store might fold (uppercase) is refused.
 _BUCKET = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
@@ -48,8 +52,10 @@ def canonical_uri(uri: str) -> str:
     """
     if not isinstance(uri, str) or not uri:
         raise InvalidRequest(f"empty URI {uri!r}", hint="use s3://bucket/key or an absolute local path")
-    if "\x00" in uri:
-        raise InvalidRequest(f"URI contains a NUL byte: {uri!r}")
+    if _CONTROL.search(uri):
+        raise InvalidRequest(
+            f"URI contains a control character: {uri!r}", hint="rename the object or file without control characters"
+        )
     if "\\" in uri:
         raise PathEscape(f"URI contains a backslash: {uri!r}", uri=uri)
     if _ENCODED.search(uri):
