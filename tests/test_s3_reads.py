@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from bench.faultproxy import FaultProxy
 from ckptconv.core.errors import InvalidRequest
@@ -142,9 +142,20 @@ def test_an_s3_target_s_upload_buffers_come_out_of_the_read_ahead(s3_bucket, s3_
     too_small = plan_conversion(uri, to="cs-h5", memory_budget="340MiB", target=f"s3://{s3_bucket}/out/model.mdl")
     assert not too_small["ok"] and "upload buffers" in too_small["errors"][0]["detail"]
     assert str(2 * largest + (1 + 2) * (16 << 20) + (300 << 20)) in too_small["errors"][0]["detail"]
-    # A sharded safetensors target uploads one file at a time through the same part upload.
+    assert memory["upload_concurrency"] == 4 and squeezed["memory"]["upload_concurrency"] == 3
+    assert "upload_concurrency" not in local
+    # A sharded safetensors target uploads one file at a time through the same part upload, and a
+    # budget squeezes it the same way.
     st = plan_conversion(uri, to="safetensors", memory_budget="500MiB", target=f"s3://{s3_bucket}/out/st")
-    assert st["memory"]["writer_buffer_bytes"] == buffers
+    assert st["memory"]["writer_buffer_bytes"] == buffers and st["memory"]["upload_concurrency"] == 4
+    st_squeezed = plan_conversion(uri, to="safetensors", memory_budget="350MiB", target=f"s3://{s3_bucket}/out/st")
+    assert st_squeezed["ok"], st_squeezed
+    assert st_squeezed["memory"]["writer_buffer_bytes"] == (1 + 2) * (16 << 20)
+    assert st_squeezed["memory"]["upload_concurrency"] == 1
+    result = convert(uri, f"s3://{s3_bucket}/out/st/model.safetensors", to="safetensors", memory_budget="350MiB")
+    assert result.memory == st_squeezed["memory"] and result.verify["ok"]
+    written = load(S3Storage(s3_server).read_all(result.outputs[0].uri))
+    assert written.keys() == tensors.keys() and all(torch.equal(written[k], t) for k, t in tensors.items())
     result = convert(uri, f"s3://{s3_bucket}/out/model.mdl", to="cs-h5", memory_budget="500MiB")
     assert result.memory == memory and result.verify["ok"]
     result = convert(uri, f"s3://{s3_bucket}/out/squeezed.mdl", to="cs-h5", memory_budget="350MiB")

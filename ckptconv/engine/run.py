@@ -119,7 +119,7 @@ def fit_memory(
     options = {k: v for k, v in (sink_options or {}).items() if v is not None}
     buffers = writer_buffer_bytes(target, to, options)
     try:
-        return plan.memory(sizes, budget, buffers), options
+        return _reported(plan.memory(sizes, budget, buffers), target, to, options), options
     except InvalidRequest as e:
         if "concurrency" in options:
             raise  # the caller's choice
@@ -130,10 +130,19 @@ def fit_memory(
         if smaller >= buffers:
             break  # this sink's buffers do not depend on it
         try:
-            return plan.memory(sizes, budget, smaller), fewer
+            return _reported(plan.memory(sizes, budget, smaller), target, to, fewer), fewer
         except InvalidRequest as e:
             refused = e  # names the minimum of the fewest parts in flight
     raise refused
+
+
+def _reported(memory: dict[str, int | None], target: str, to: str, options: dict[str, Any]) -> dict[str, int | None]:
+    """``memory`` with ``upload_concurrency`` (S3 upload parts in flight) when the sink's buffers
+    depend on it, so that a plan says what a budget made of the upload."""
+    one = writer_buffer_bytes(target, to, {**options, "concurrency": 1})
+    if one == writer_buffer_bytes(target, to, {**options, "concurrency": 2}):
+        return memory
+    return {**memory, "upload_concurrency": int(options.get("concurrency", DEFAULT_CONCURRENCY))}
 
 
 def run_plan(

@@ -32,7 +32,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.core.uri import basename, parent
 from ckptconv.formats.base import Entry, OutputFile, TensorSink
 from ckptconv.formats.links import link_root
-from ckptconv.storage.part_upload import open_output_writer, upload_buffer_bytes
+from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, open_output_writer, upload_buffer_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -270,14 +270,23 @@ def sink_files(
     return files, index
 
 
+def _concurrency(options: dict[str, Any]) -> int:
+    """S3 upload parts in flight per output file, from a sink's options."""
+    value = options.get("concurrency", DEFAULT_CONCURRENCY)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"concurrency must be a positive integer, not {value!r}")
+    return value
+
+
 class ShardedSink(TensorSink):
     """What the Hugging Face style sinks share: a target that is one file or a directory of
     shards (``shard_size``; ``always_sharded`` writes shard names and an index even for one)."""
 
     @classmethod
     def remote_buffer_bytes(cls, options: dict[str, Any]) -> int:
-        """One output file at a time, through :func:`open_output_writer`'s concurrent part upload."""
-        return upload_buffer_bytes()
+        """One output file at a time, through :func:`open_output_writer`'s concurrent part upload
+        (``concurrency`` parts in flight: a memory budget may ask for fewer)."""
+        return upload_buffer_bytes(concurrency=_concurrency(options))
 
     def __init__(
         self,
@@ -291,7 +300,7 @@ class ShardedSink(TensorSink):
         super().__init__(storage, uri, shard_size=shard_size, always_sharded=always_sharded, **options)
         self.shard_size = shard_size
         self.always_sharded = always_sharded
-        self._outputs = OutputSet(storage)
+        self._outputs = OutputSet(storage, concurrency=_concurrency(options))
         self._skeletons: list[str] = []  # preallocated files _lay_out created (abort removes them)
 
     def shard_files(self, entries: list[Entry], suffixes: tuple[str, ...]) -> tuple[list[ShardFile], str | None]:
@@ -384,8 +393,9 @@ class OutputSet:
     engine publishes later. A failure half way through removes every file already committed.
     """
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, *, concurrency: int = DEFAULT_CONCURRENCY) -> None:
         self.storage = storage
+        self.concurrency = concurrency
         self.open: list[HashingWriter] = []
         self.done: list[OutputFile] = []
         self._hasher: ThreadPoolExecutor | None = None
@@ -393,7 +403,7 @@ class OutputSet:
     def create(self, uri: str, role: str = "data", size: int | None = None) -> HashingWriter:
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
-        w = HashingWriter(open_output_writer(self.storage, uri, size), role, self._hasher)
+        w = HashingWriter(open_output_writer(self.storage, uri, size, concurrency=self.concurrency), role, self._hasher)
         self.open.append(w)
         return w
 

@@ -347,13 +347,15 @@ class PartWriter(Writer):
         self._upload.abort()
 
 
-def open_output_writer(storage: Storage, uri: str, size: int | None = None) -> Writer:
-    """The writer for one output file: concurrent part uploads on S3, the storage's own elsewhere
-    (a local file of a known ``size`` is preallocated first)."""
+def open_output_writer(
+    storage: Storage, uri: str, size: int | None = None, *, concurrency: int = DEFAULT_CONCURRENCY
+) -> Writer:
+    """The writer for one output file: concurrent part uploads on S3 (``concurrency`` parts in
+    flight), the storage's own elsewhere (a local file of a known ``size`` is preallocated first)."""
     if storage.scheme == "s3":
         # The backend drives the multipart calls of this one object (a confined storage checks uri first).
         backend = storage.backend(uri)
-        upload = PartUpload(backend, uri, part_size=DEFAULT_PART_SIZE, concurrency=DEFAULT_CONCURRENCY)  # type: ignore[arg-type]
+        upload = PartUpload(backend, uri, part_size=DEFAULT_PART_SIZE, concurrency=concurrency)  # type: ignore[arg-type]
         return PartWriter(upload)
     writer = storage.open_writer(uri)
     preallocate = getattr(writer, "preallocate", None)
