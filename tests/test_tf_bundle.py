@@ -740,3 +740,20 @@ def test_engine_converts_a_tensorflow_checkpoint_and_verifies_it(oracle, tmp_pat
         src.read(OBJECT_GRAPH).payload
         == TfSource(open_storage(made["prefix"]), made["prefix"]).read(OBJECT_GRAPH).payload
     )
+
+
+def test_a_plan_lists_the_data_files_a_shard_size_makes(tmp_path):
+    from safetensors.torch import save_file
+
+    from ckptconv.engine.convert import convert, plan_conversion
+
+    values = {f"t{i}": sample("float32", (1000 * (i + 1),), i) for i in range(5)}
+    save_file(values, str(tmp_path / "m.safetensors"))
+    target = str(tmp_path / "out" / "model.ckpt")
+    view = plan_conversion(str(tmp_path / "m.safetensors"), to="tf", shard_size="10KB", target=target)
+    assert view["ok"], view["errors"]
+    result = convert(str(tmp_path / "m.safetensors"), target, to="tf", shard_size="10KB")
+    data = [o for o in result.outputs if ".data-" in o.uri]
+    assert len(data) > 1
+    assert [(s["file"], s["bytes"]) for s in view["shards"]] == [(Path(o.uri).name, o.size) for o in data]
+    assert sum(s["tensors"] for s in view["shards"]) == len(values)

@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptconv.core.errors import CkptconvError, InvalidRequest, KeyCollision, UnsupportedValue
 from ckptconv.core.sizes import parse_size
+from ckptconv.core.uri import basename
 from ckptconv.engine.execute import Progress
 from ckptconv.engine.fanout import AutoParallelism, PartRunner, resolve_parallelism, run_fanout, run_part
 from ckptconv.engine.plan import Plan, identity_plan
@@ -22,6 +23,8 @@ from ckptconv.engine.run import ConvertResult, fit_memory, jsonable, run_plan, s
 from ckptconv.formats import sink_class
 from ckptconv.formats.detect import check_format, open_source, target_format_from_name
 from ckptconv.formats.sharding import plan_shards
+from ckptconv.formats.tf_bundle_codec import data_uri
+from ckptconv.formats.tf_bundle_write import TfSink
 from ckptconv.formats.tf_names import cerebras_keys, tf_name
 from ckptconv.formats.tree import DICT, ODICT, TreeSpec
 
@@ -197,7 +200,7 @@ def plan_conversion(
             errors.append(e.to_problem())
         sizes = {e.key: e.nbytes for e in entries}
         out = plan.to_dict(source_sizes=sizes, limit=limit)
-        out["shards"] = _shard_layout(to, plan, shard_size)
+        out["shards"] = _shard_layout(to, plan, shard_size, target)
         try:
             out["memory"] = fit_memory(plan, sizes, memory_budget, target or "", to)[0]
         except CkptconvError as e:
@@ -208,7 +211,14 @@ def plan_conversion(
         src.close()
 
 
-def _shard_layout(to: str, plan: Plan, shard_size: int | str | None) -> list[dict[str, Any]]:
+def _shard_layout(to: str, plan: Plan, shard_size: int | str | None, target: str | None) -> list[dict[str, Any]]:
+    if to == "tf" and shard_size is not None:
+        groups = TfSink.planned_shards(plan.entries(), {"shard_size": shard_size})
+        prefix = basename(target.rstrip("/")) if target else "<prefix>"
+        return [
+            {"file": data_uri(prefix, i, len(groups)), "tensors": len(keys), "bytes": size}
+            for i, (keys, size) in enumerate(groups)
+        ]
     if to not in ("safetensors", "torch") or shard_size is None:
         return [{"file": "(single file)", "tensors": plan.tensors_total, "bytes": plan.bytes_total}]
     shards = plan_shards([e for e in plan.entries() if e.is_data], parse_size(shard_size), to)

@@ -166,14 +166,7 @@ class TfSink(TensorSink):
             if e.kind == "link":
                 self._links.append(e)
                 continue
-            item = _Item(e)
-            if e.kind in ("tensor", "array"):
-                item.estimate = e.nbytes
-            elif e.kind == "object":
-                item.estimate = int(e.meta.get("nbytes", 0))
-            else:
-                item.has_data = value_tensor(e.value) is not None
-                item.estimate = 16
+            item = _item(e)
             self._items.append(item)
             self._by_key[e.key] = item
         announced = {e.key: e for e in entries}
@@ -186,20 +179,15 @@ class TfSink(TensorSink):
             self._link_roots[link.key] = root
         self._assign_shards([i for i in self._items if i.has_data])
 
+    @classmethod
+    def planned_shards(cls, entries: list[Entry], options: dict[str, Any]) -> list[tuple[list[str], int]]:
+        """The data files ``entries`` go to under ``options`` (each one's keys and estimated bytes),
+        as a sink given them assigns them: what a plan shows."""
+        stored = [i for i in (_item(e) for e in entries if e.kind != "link") if i.has_data]
+        return [([i.entry.key for i in g], sum(i.estimate for i in g)) for g in _shard_groups(stored, options)]
+
     def _assign_shards(self, stored: list[_Item]) -> None:
-        num = self.options.get("num_shards")
-        size = self.options.get("shard_size")
-        patterns = self.options.get("shard_by")
-        if patterns is not None:
-            groups = _by_names(stored, patterns)
-        elif num is not None:
-            if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-                raise InvalidRequest(f"num_shards must be a positive integer, got {num!r}")
-            groups = _balanced(stored, min(num, max(len(stored), 1)))
-        elif size is not None:
-            groups = split_by_size(stored, lambda i: i.estimate, parse_size(size))
-        else:
-            groups = [stored]
+        groups = _shard_groups(stored, self.options)
         self._num_shards = len(groups)
         for shard, group in enumerate(groups):
             for item in group:
@@ -433,6 +421,35 @@ class TfSink(TensorSink):
         for s in self._done:
             self.storage.delete(s.staged)
         self.storage.delete(self._staged(index_uri(self.prefix)))
+
+
+def _item(e: Entry) -> _Item:
+    """The item of a non-link entry, with the bytes its data file will hold."""
+    item = _Item(e)
+    if e.kind in ("tensor", "array"):
+        item.estimate = e.nbytes
+    elif e.kind == "object":
+        item.estimate = int(e.meta.get("nbytes", 0))
+    else:
+        item.has_data = value_tensor(e.value) is not None
+        item.estimate = 16
+    return item
+
+
+def _shard_groups(stored: list[_Item], options: dict[str, Any]) -> list[list[_Item]]:
+    """The items of each data file, by ``num_shards``, ``shard_size`` or ``shard_by`` (one file by default)."""
+    num = options.get("num_shards")
+    size = options.get("shard_size")
+    patterns = options.get("shard_by")
+    if patterns is not None:
+        return _by_names(stored, patterns)
+    if num is not None:
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise InvalidRequest(f"num_shards must be a positive integer, got {num!r}")
+        return _balanced(stored, min(num, max(len(stored), 1)))
+    if size is not None:
+        return split_by_size(stored, lambda i: i.estimate, parse_size(size))
+    return [stored]
 
 
 def _by_names(items: list[_Item], patterns: Any) -> list[list[_Item]]:
