@@ -21,6 +21,11 @@ lower).
 No worker runs: messages pile up in queues under a prefix of this run, deleted at the end. Prints
 the median of ``--runs`` runs of each case and the ratios; never asserts on time. Loopback only,
 bounded in time, stops by itself.
+
+Besides requests per second, each case prints the CPU time per request (user + system, in us) of
+the server (the uvicorn master and its worker processes, from ``/proc/<pid>/stat``), of Redis
+(``INFO cpu``) and of the load generator. On a machine others are using too, requests per second
+follow their load; CPU time per request hardly does, so it is what compares two versions.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -111,11 +117,13 @@ def bare_app() -> Any:
 
 
 class Server:
-    def __init__(self, name: str, args: list[str], env: dict[str, str], port: int, logdir: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], env: dict[str, str], port: int, logdir: Path, cwd: Path = ROOT
+    ) -> None:
         self.name = name
         self.port = port
         self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait()
 
     def _wait(self) -> None:
@@ -132,6 +140,10 @@ class Server:
                 time.sleep(0.2)
         raise RuntimeError(f"{self.name} did not start")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process and every process under it (uvicorn's workers)."""
+        return sum(_cpu_seconds(pid) for pid in _process_tree(self.proc.pid))
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -140,6 +152,48 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after the command name (which may hold spaces): state, ppid, ..."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = _stat_fields(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0  # gone since it was listed
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15 of stat)
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and its descendants, from the parent ids in /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(_stat_fields(int(entry))[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+    tree = [root]
+    for pid in tree:
+        tree.extend(child for child, parent in parents.items() if parent == pid)
+    return tree
+
+
+def _redis_cpu_seconds(client: Any) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load generators, once reaped
+    return usage.ru_utime + usage.ru_stime
 
 
 # --- load generators ----------------------------------------------------------------------------
@@ -190,10 +244,12 @@ def run_wrk(url: str, script: str, duration: float, connections: int, tmp: Path)
         timeout=duration + 60,
     ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
     p50 = _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1))
     p99 = _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"rps": rps, "p50_ms": p50, "p99_ms": p99, "non_2xx": int(errors.group(1)) if errors else 0}
+    non_2xx = int(errors.group(1)) if errors else 0
+    return {"rps": rps, "p50_ms": p50, "p99_ms": p99, "non_2xx": non_2xx, "requests": requests}
 
 
 def _httpx_load(url: str, method: str, headers: dict, body: bytes | None, duration: float, connections: int) -> dict:
@@ -229,7 +285,13 @@ def _httpx_load(url: str, method: str, headers: dict, body: bytes | None, durati
     elapsed = asyncio.run(main())
     latencies.sort()
     q = statistics.quantiles(latencies, n=100)
-    return {"rps": len(latencies) / elapsed, "p50_ms": q[49], "p99_ms": q[98], "non_2xx": errors}
+    return {
+        "rps": len(latencies) / elapsed,
+        "p50_ms": q[49],
+        "p99_ms": q[98],
+        "non_2xx": errors,
+        "requests": len(latencies),
+    }
 
 
 def run_httpx(url: str, method: str, headers: dict, body: bytes | None, duration: float, connections: int) -> dict:
@@ -265,10 +327,17 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=50)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--generator", choices=["auto", "wrk", "httpx"], default="auto")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also measure ckptconv as served from this checkout (another version), in the same run",
+    )
     args = parser.parse_args()
     args.duration = max(1.0, min(args.duration, 60.0))  # bounded
     args.runs = max(1, min(args.runs, 5))
     generator = args.generator if args.generator != "auto" else ("wrk" if shutil.which("wrk") else "httpx")
+    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
     import httpx
     import redis
@@ -280,6 +349,7 @@ def main() -> int:
     run_id = uuid.uuid4().hex[:8]
     prefix_ours = f"ckptconv-bench-{run_id}:"
     prefix_bare = f"ckptconv-bench-bare-{run_id}:"
+    prefix_other = f"ckptconv-bench-other-{run_id}:"
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ours_env = {
         **base_env,
@@ -307,6 +377,12 @@ def main() -> int:
             Server("bare", [*uvicorn, "--port", str(p_bare), "bench.api_load:bare_app"], bare_env, p_bare, tmp)
         )
         ours_url, bare_url = f"http://127.0.0.1:{p_ours}", f"http://127.0.0.1:{p_bare}"
+        ours, bare = servers
+        if args.compare:
+            p_other = free_port()
+            other_env = {**ours_env, "CKPTCONV_REDIS_PREFIX": prefix_other, "PYTHONPATH": str(args.compare)}
+            other_args = [*serve, "--port", str(p_other)]
+            servers.append(Server("other", other_args, other_env, p_other, tmp, cwd=args.compare.resolve()))
         auth = {"Authorization": f"Bearer {KEY}"}
         submit_body = json.dumps(SUBMIT_BODY, separators=(",", ":")).replace("__ROOT__", str(tmp))
         first = json.loads(submit_body.replace("__N__", f"first-{run_id}"))
@@ -315,18 +391,26 @@ def main() -> int:
         body_head, _, body_tail = submit_body.partition("__N__")
 
         cases = {
-            "bare POST /jobs": (bare_url + "/jobs", "POST", {}),
-            "ckptconv POST /v1/jobs": (ours_url + "/v1/jobs", "POST", auth),
-            "bare GET /jobs/{id}": (f"{bare_url}/jobs/{bare_id}", "GET", {}),
-            "ckptconv GET /v1/jobs/{id}": (f"{ours_url}/v1/jobs/{job_id}", "GET", auth),
+            "bare POST /jobs": (bare_url + "/jobs", "POST", {}, bare),
+            "ckptconv POST /v1/jobs": (ours_url + "/v1/jobs", "POST", auth, ours),
+            "bare GET /jobs/{id}": (f"{bare_url}/jobs/{bare_id}", "GET", {}, bare),
+            "ckptconv GET /v1/jobs/{id}": (f"{ours_url}/v1/jobs/{job_id}", "GET", auth, ours),
         }
+        if args.compare:
+            other = servers[2]
+            other_url = f"http://127.0.0.1:{other.port}"
+            other_id = httpx.post(other_url + "/v1/jobs", json=first, headers=auth).raise_for_status().json()["id"]
+            cases["other POST /v1/jobs"] = (other_url + "/v1/jobs", "POST", auth, other)
+            cases["other GET /v1/jobs/{id}"] = (f"{other_url}/v1/jobs/{other_id}", "GET", auth, other)
+        redis_client = redis.Redis.from_url(args.redis_url)
         print(
             f"load generator: {generator}, {args.connections} connections, {args.runs} x {args.duration:g} s per case"
         )
         for run in range(args.runs):
             order = list(cases) if run % 2 == 0 else list(cases)[::-1]  # alternate to spread drift
             for name in order:
-                url, method, headers = cases[name]
+                url, method, headers, server = cases[name]
+                cpu_before = server.cpu_seconds(), _redis_cpu_seconds(redis_client), _children_cpu_seconds()
                 if generator == "wrk":
                     if method == "POST":
                         path = url.split(":", 2)[2].split("/", 1)[1]
@@ -350,17 +434,23 @@ def main() -> int:
                         args.duration,
                         args.connections,
                     )
+                cpu_after = server.cpu_seconds(), _redis_cpu_seconds(redis_client), _children_cpu_seconds()
+                n = max(1, res["requests"])
+                res["server_cpu_us"], res["redis_cpu_us"], res["loadgen_cpu_us"] = (
+                    (after - before) / n * 1e6 for before, after in zip(cpu_before, cpu_after, strict=True)
+                )
                 results.setdefault(name, []).append(res)
                 print(
                     f"  run {run + 1}: {name:<28} {res['rps']:>8.0f} req/s  p50 {res['p50_ms']:6.1f} ms"
-                    f"  p99 {res['p99_ms']:6.1f} ms  non-2xx {res['non_2xx']}",
+                    f"  p99 {res['p99_ms']:6.1f} ms  non-2xx {res['non_2xx']}  CPU us/request: server"
+                    f" {res['server_cpu_us']:.0f}, redis {res['redis_cpu_us']:.0f}, load {res['loadgen_cpu_us']:.0f}",
                     flush=True,
                 )
     finally:
         for s in servers:
             s.stop()
         r = redis.Redis.from_url(args.redis_url)
-        for prefix in (prefix_ours, prefix_bare):
+        for prefix in (prefix_ours, prefix_bare, prefix_other):
             keys = list(r.scan_iter(match=prefix + "*", count=5000))
             for i in range(0, len(keys), 1000):
                 r.delete(*keys[i : i + 1000])
@@ -368,10 +458,14 @@ def main() -> int:
 
     med = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for name, runs in results.items()}
     print()
-    print("| hot path | requests/s | p50 | p99 |")
-    print("|---|---|---|---|")
+    print(f"load average before the run: {load_before}, after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("| hot path | requests/s | p50 | p99 | server CPU us/request | Redis CPU us/request |")
+    print("|---|---|---|---|---|---|")
     for name, m in med.items():
-        print(f"| {name} | {m['rps']:,.0f} | {m['p50_ms']:.1f} ms | {m['p99_ms']:.1f} ms |")
+        print(
+            f"| {name} | {m['rps']:,.0f} | {m['p50_ms']:.1f} ms | {m['p99_ms']:.1f} ms"
+            f" | {m['server_cpu_us']:.0f} | {m['redis_cpu_us']:.0f} |"
+        )
     submit = med["ckptconv POST /v1/jobs"]["rps"] / med["bare POST /jobs"]["rps"]
     status = med["ckptconv GET /v1/jobs/{id}"]["rps"] / med["bare GET /jobs/{id}"]["rps"]
     print()
@@ -379,6 +473,17 @@ def main() -> int:
     print(
         f"status: {med['ckptconv GET /v1/jobs/{id}']['rps']:,.0f}/s (target >= 6,000/s), {status:.0%} of the bare path"
     )
+    for path, ours_name, bare_name in (
+        ("submit", "ckptconv POST /v1/jobs", "bare POST /jobs"),
+        ("status", "ckptconv GET /v1/jobs/{id}", "bare GET /jobs/{id}"),
+    ):
+        ours_cpu, bare_cpu = med[ours_name]["server_cpu_us"], med[bare_name]["server_cpu_us"]
+        line = f"{path}: server CPU {ours_cpu:.0f} us/request, bare {bare_cpu:.0f} us ({ours_cpu / bare_cpu:.2f}x)"
+        other_name = ours_name.replace("ckptconv", "other")
+        if other_name in med:
+            other_cpu = med[other_name]["server_cpu_us"]
+            line += f", {args.compare} {other_cpu:.0f} us ({ours_cpu / other_cpu:.2f}x)"
+        print(line)
     worst = max(med["ckptconv POST /v1/jobs"]["p99_ms"], med["ckptconv GET /v1/jobs/{id}"]["p99_ms"])
     print(f"ckptconv p99: {worst:.1f} ms at worst (target < 25 ms)")
     out = ROOT / ".bench" / "api_load.json"
