@@ -23,6 +23,7 @@ from ckptconv.core.settings import Settings, get_settings
 from service import problems
 from service.deps import BEARER_SCHEME, AppState
 from service.edges import Edges
+from service.hot import HotPaths
 from service.limits import BoundedPool, RateLimiter, StreamSlots
 from service.queue import TaskMessages
 from service.routes import catalog, dashboard, health, jobs, models, plans
@@ -132,8 +133,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     problems.install(app)
-    app.add_middleware(Edges)
     for router in (jobs.router, plans.router, catalog.router, models.router, health.router, dashboard.router):
         app.include_router(router)
+    app.add_middleware(Edges, hot=HotPaths())
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

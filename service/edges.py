@@ -7,7 +7,9 @@
 - A body larger than ``max_body_bytes`` answers 413: at once when ``Content-Length`` says so, else
   (chunked bodies) as soon as the bytes received pass the limit; the rest is never read.
 
-A plain ASGI middleware (no per-request objects beyond a closure): it sits on the hot path.
+A plain ASGI middleware (no per-request objects beyond a closure): it sits on the hot path. It also
+hands the two hottest requests (submit a job, get a job) to ``service.hot``, which answers them
+without FastAPI's per-request machinery.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastapi import HTTPException
 
 from ckptconv.core.errors import CkptconvError, PayloadTooLarge
 from service.deps import CALLER, authenticate
+from service.hot import HotPaths
 from service.problems import as_error, problem_response
 
 # Under /v1/, only these answer without a key (what the service converts, not whose data).
@@ -39,8 +42,9 @@ def content_length(scope: dict[str, Any]) -> int | None:
 
 
 class Edges:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, hot: HotPaths | None = None) -> None:
         self.app = app
+        self.hot = hot
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -58,6 +62,10 @@ class Edges:
         except Exception as e:
             error = e if isinstance(e, CkptconvError) else as_error(e, scope["method"], scope["path"])
             await problem_response(error, scope["path"], method=scope["method"])(scope, receive, send)
+            return
+        handler = self.hot.handler(scope) if self.hot is not None else None
+        if handler is not None:
+            await handler(scope, _bounded(receive, limit), send, self.app)
             return
         await self.app(scope, _bounded(receive, limit), send)
 

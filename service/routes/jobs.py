@@ -70,7 +70,11 @@ async def _owned(state: AppState, caller: Principal, job_id: str) -> dict[str, s
 )
 async def create_job(body: JobRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
     call = await authorized(request)
-    state, caller = call.state, call.caller
+    return await submit(call.state, call.caller, body, idempotency_key)
+
+
+async def submit(state: AppState, caller: Principal, body: Any, idempotency_key: str | None) -> Response:
+    """Create the job of a validated request (``create_job``; also served by ``service.hot``)."""
     settings = state.settings
     kind = get_kind(body.kind)
     source, target_doc = scoped_refs(caller, body)
@@ -138,8 +142,12 @@ async def create_job(body: JobRequest, request: Request, idempotency_key: Idempo
 @router.get("/jobs/{job_id}", response_model=Job, summary="Get a job", responses=problem_responses(401, 404, 503))
 async def get_job(job_id: JobId, request: Request) -> Response:
     call = await authorized(request)
-    rec = await _owned(call.state, call.caller, job_id)
-    return Response(_json(job_resource(rec)), media_type="application/json")
+    return Response(await job_document(call.state, call.caller, job_id), media_type="application/json")
+
+
+async def job_document(state: AppState, caller: Principal, job_id: str) -> bytes:
+    """The job resource of ``get_job`` as JSON (also served by ``service.hot``)."""
+    return _json(job_resource(await _owned(state, caller, job_id)))
 
 
 @router.get(
