@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptconv.core.errors import Forbidden, InvalidRequest, PathEscape
-from ckptconv.core.scopes import NOTHING, UNRESTRICTED, Scopes, canonical_prefix, canonical_uri
+from ckptconv.core.scopes import NOTHING, UNRESTRICTED, Scopes, canonical_prefix, canonical_uri, resolved_path
 from ckptconv.storage import open_storage
 from ckptconv.storage.confined import ConfinedStorage, current_scopes, scoped, set_default_scopes
 
@@ -132,6 +132,29 @@ def test_a_symlink_inside_a_prefix_grants_nothing_outside(tmp_path: Path) -> Non
                 storage.read_all(uri)
             with pytest.raises(Forbidden):
                 storage.local_path(uri)
+
+
+def test_local_paths_resolve_as_realpath_resolves_them(tmp_path: Path) -> None:
+    root = tmp_path.resolve()
+    (root / "team/dir").mkdir(parents=True)
+    (root / "team/file").write_bytes(b"")
+    (root / "secret").mkdir()
+    os.symlink(root / "secret", root / "team/abs-link")
+    os.symlink("../secret", root / "team/rel-link")
+    os.symlink("dir", root / "team/dir-link")
+    os.symlink(root / "nowhere/x", root / "team/dangling")
+    os.symlink("loop-b", root / "team/loop-a")
+    os.symlink("loop-a", root / "team/loop-b")
+    names = ["dir", "file", "abs-link", "rel-link", "dir-link", "dangling", "loop-a", "missing"]
+    paths = [f"{root}/team/{a}" for a in names] + [f"{root}/team/{a}/{b}" for a in names for b in names]
+    paths += [p + "/" for p in paths] + [f"{root}/team/missing/x/y/", "/", f"{root}/team/file/x/y"]
+    for path in paths:
+        assert resolved_path(path) == os.path.realpath(path), path
+    team = Scopes.of([f"{root}/team/"])
+    for name in ("abs-link", "rel-link", "dangling", "abs-link/missing/x"):
+        with pytest.raises(Forbidden, match="symlink"):
+            team.check(f"{root}/team/{name}")
+    assert team.check(f"{root}/team/dir-link/missing/x") == f"{root}/team/dir-link/missing/x"
 
 
 def test_every_operation_is_checked_on_s3(s3_bucket: str) -> None:

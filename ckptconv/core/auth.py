@@ -63,7 +63,7 @@ class Principal:
 
     def check_uri(self, uri: str) -> str:
         """The canonical form of ``uri``; Forbidden unless it lies under one of this principal's prefixes."""
-        return self.scopes.check(canonical_uri(uri))
+        return self.scopes.check_canonical(canonical_uri(uri))
 
 
 DEV_PRINCIPAL = Principal("dev", "development", UNRESTRICTED)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,11 +155,16 @@ class Scopes:
             return uri
         if scheme_of(uri) == "file" and not os.path.isabs(local_path_of(uri)):
             raise self._forbidden(uri, "a relative path is resolved on the worker, outside every prefix")
-        canonical = canonical_uri(uri)
+        return self.check_canonical(canonical_uri(uri))
+
+    def check_canonical(self, canonical: str) -> str:
+        """:meth:`check` of a URI already in canonical form (as :func:`canonical_uri` returns it)."""
+        if self.prefixes is None:
+            return canonical
         if not any(canonical.startswith(p) for p in self.prefixes):
             raise self._forbidden(canonical)
-        if scheme_of(canonical) == "file":
-            real = os.path.realpath(canonical)
+        if canonical.startswith("/"):  # a local path
+            real = resolved_path(canonical)
             if not any((real + "/").startswith(self._realpath(p)) for p in self.prefixes):
                 raise self._forbidden(canonical, f"it resolves through a symlink to {real}")
         return canonical
@@ -201,6 +207,33 @@ class Scopes:
             + (", ".join(self.prefixes or ()) or "(nothing)"),
             uri=uri,
         )
+
+
+def resolved_path(path: str) -> str:
+    """``os.path.realpath(path)`` for a canonical local path (absolute, normalised).
+
+    The same answer for less: realpath looks at every component, even below one that does not
+    exist, where nothing can be (a new target is usually a few of those). Here the first component
+    found missing ends the walk, and a symbolic link anywhere hands the whole path to realpath.
+    """
+    resolved = ""
+    names = path.split("/")
+    for i, name in enumerate(names):
+        if not name:
+            continue
+        candidate = resolved + "/" + name
+        try:
+            st = os.lstat(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            # Nothing below a missing entry (or below a file) exists, so nothing there is a link.
+            return "/".join([candidate, *(n for n in names[i + 1 :] if n)])
+        except OSError:
+            pass  # cannot be looked at: as realpath, taken as no link
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                return os.path.realpath(path)
+        resolved = candidate
+    return resolved or "/"
 
 
 UNRESTRICTED = Scopes(None)

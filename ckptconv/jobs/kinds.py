@@ -19,6 +19,7 @@ OpenAPI document from :data:`KINDS`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -90,14 +91,18 @@ def get_kind(name: str) -> JobKind:
 
 def option_uris(options: BaseModel) -> Iterator[str]:
     """Every storage URI named by ``options`` (fields typed :data:`StorageUri`, or lists of them)."""
-    for name, field in type(options).model_fields.items():
-        if not _is_uri_field(field.annotation, field.metadata):
-            continue
+    for name in _uri_fields(type(options)):
         value = getattr(options, name)
         if isinstance(value, str):
             yield value
         elif isinstance(value, list | tuple):
             yield from (v for v in value if isinstance(v, str))
+
+
+@functools.cache
+def _uri_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    # Per options model, once: every submission asks.
+    return tuple(name for name, f in model.model_fields.items() if _is_uri_field(f.annotation, f.metadata))
 
 
 def _is_uri_field(annotation: Any, metadata: list[Any]) -> bool:
