@@ -21,11 +21,13 @@ from fastapi.testclient import TestClient
 
 from ckptconv.core.auth import create_key, hash_key, load_keys_file
 from ckptconv.core.errors import Unauthorized
+from ckptconv.core.job_records import new_job_id
 from ckptconv.core.jobstore import JobStore, RedisKeys
 from ckptconv.core.settings import DEFAULT_WEBHOOK_SECRET, Settings
 from ckptconv.core.webhooks import sign, verify
 from ckptconv.formats import FORMATS
 from service.app import create_app
+from service.queue import TaskMessages, time_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = "application/problem+json"
@@ -140,6 +142,19 @@ def test_submit_answers_202_with_location_and_enqueues_only_the_job_id(api) -> N
     # Celery's limits come after the job's own deadline (max_runtime_seconds), each with grace.
     soft, hard = msg["headers"]["timelimit"][1], msg["headers"]["timelimit"][0]
     assert hard > soft > job["max_runtime_seconds"]
+
+
+def test_a_run_job_message_copied_from_its_template_is_the_message_rendered_whole() -> None:
+    messages = TaskMessages(RedisKeys("p:"))
+    for queue, runtime in (("jobs", 3600), ("jobs", 60), ("other", 3600), ("jobs", 3600)):
+        job_id, task_id = new_job_id(), str(uuid.uuid4())
+        limits = time_limits(runtime)
+        whole = messages.render(
+            "ckptconv.run_job", [job_id], queue=queue, delivery_tag=job_id, task_id=task_id, **limits
+        )
+        assert messages.run_job(job_id, queue=queue, max_runtime_seconds=runtime, task_id=task_id) == whole
+    a, b = (json.loads(messages.run_job(new_job_id(), queue="jobs", max_runtime_seconds=60)) for _ in range(2))
+    assert a["headers"]["id"] != b["headers"]["id"]  # a new task id each time
 
 
 def test_idempotency_key_replays_rejects_other_bodies_and_is_per_api_key(api) -> None:
