@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptconv.core.errors import Cancelled, VerificationFailed
+from ckptconv.core.errors import Cancelled, InvalidRequest, VerificationFailed
 from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
 from ckptconv.engine.plan import identity_plan
@@ -306,6 +306,28 @@ def test_a_cancelled_part_sends_no_upload_part_after_it_stopped(tmp_path: Path, 
     assert started and len(sent) == len(started)
     assert max(sent) <= stopped, f"an upload part left {max(sent) - stopped:.2f} s after the part stopped"
     assert _uploads(s3_bucket) == []
+
+
+def test_a_memory_budget_holds_for_each_part_of_a_fan_out(tmp_path: Path, s3_bucket) -> None:
+    # Each part's process gets the budget: it sizes the read-ahead and, on S3, how many upload parts
+    # of the grid go at once; too small a budget is refused before a byte is published.
+    source = _source(tmp_path, "safetensors")
+    largest = 5 * MiB  # layers.0.attn.q
+    with pytest.raises(InvalidRequest, match="memory budget"):
+        convert(source, f"s3://{s3_bucket}/small/model.mdl", to="cs-h5", parallelism=2, memory_budget="301MiB")
+    assert list(open_storage(f"s3://{s3_bucket}/").list(f"s3://{s3_bucket}/small/")) == []
+    assert _uploads(s3_bucket) == []
+    roomy = convert(source, f"s3://{s3_bucket}/roomy/model.mdl", to="cs-h5", parallelism=2, job_id="budget-roomy")
+    grid = roomy.memory["writer_buffer_bytes"] // (4 + 2)  # 4 parts in flight and 2 being filled
+    budget = 2 * largest + (2 + 2) * grid + (300 << 20)  # room for 2 in flight, not 3
+    tight = convert(
+        source, f"s3://{s3_bucket}/tight/model.mdl", to="cs-h5", parallelism=2, memory_budget=budget, job_id="budget"
+    )
+    assert roomy.memory["upload_concurrency"] == 4 and tight.memory["upload_concurrency"] == 2
+    assert tight.memory["budget_bytes"] == budget == tight.memory["estimated_peak_bytes"]
+    assert [_sha(o.uri) for o in tight.outputs] == [_sha(o.uri) for o in roomy.outputs]
+    manifest = json.loads(open_storage(tight.manifest).read_all(tight.manifest))
+    assert manifest["memory"] == tight.memory
 
 
 def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:

@@ -133,7 +133,7 @@ def convert(
         }
         count = resolve_parallelism(parallelism, plan.bytes_total, to, auto_parallelism)
         if count > 1:
-            result = run_fanout(plan, src, parallelism=count, runner=parts, **common)
+            result = run_fanout(plan, src, parallelism=count, runner=parts, memory_budget=memory_budget, **common)
         else:
             result = run_plan(plan, src, memory_budget=memory_budget, **common)
     finally:

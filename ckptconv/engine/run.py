@@ -117,32 +117,36 @@ def fit_memory(
     what the writer allocates rather than being refused. InvalidRequest when even one does not fit.
     """
     options = {k: v for k, v in (sink_options or {}).items() if v is not None}
-    buffers = writer_buffer_bytes(target, to, options)
-    try:
-        return _reported(plan.memory(sizes, budget, buffers), target, to, options), options
-    except InvalidRequest as e:
-        if "concurrency" in options:
-            raise  # the caller's choice
-        refused = e
-    for concurrency in range(DEFAULT_CONCURRENCY - 1, 0, -1):
-        fewer = {**options, "concurrency": concurrency}
-        smaller = writer_buffer_bytes(target, to, fewer)
-        if smaller >= buffers:
-            break  # this sink's buffers do not depend on it
+
+    def buffers(concurrency: int) -> int:
+        return writer_buffer_bytes(target, to, {**options, "concurrency": concurrency})
+
+    if buffers(1) == buffers(2):  # this sink's buffers do not depend on it
+        return plan.memory(sizes, budget, writer_buffer_bytes(target, to, options)), options
+    if "concurrency" in options:  # the caller's choice
+        chosen = int(options["concurrency"])
+        return {**plan.memory(sizes, budget, buffers(chosen)), "upload_concurrency": chosen}, options
+    memory, concurrency = fit_uploads(plan, sizes, budget, buffers)
+    return memory, (options if concurrency == DEFAULT_CONCURRENCY else {**options, "concurrency": concurrency})
+
+
+def fit_uploads(
+    plan: Plan, sizes: dict[str, int], budget: int | str | None, buffers: Callable[[int], int]
+) -> tuple[dict[str, int | None], int]:
+    """``plan.memory`` with the most S3 upload parts in flight, ``DEFAULT_CONCURRENCY`` down to
+    one, whose buffers (``buffers(concurrency)`` bytes) the budget leaves room for, and that
+    number (``upload_concurrency`` in the facts, so that a plan says what a budget made of the
+    upload). InvalidRequest, naming the minimum with one part in flight, when none fits."""
+    refused: InvalidRequest | None = None
+    for concurrency in range(DEFAULT_CONCURRENCY, 0, -1):
         try:
-            return _reported(plan.memory(sizes, budget, smaller), target, to, fewer), fewer
+            memory = plan.memory(sizes, budget, buffers(concurrency))
         except InvalidRequest as e:
-            refused = e  # names the minimum of the fewest parts in flight
+            refused = e
+            continue
+        return {**memory, "upload_concurrency": concurrency}, concurrency
+    assert refused is not None
     raise refused
-
-
-def _reported(memory: dict[str, int | None], target: str, to: str, options: dict[str, Any]) -> dict[str, int | None]:
-    """``memory`` with ``upload_concurrency`` (S3 upload parts in flight) when the sink's buffers
-    depend on it, so that a plan says what a budget made of the upload."""
-    one = writer_buffer_bytes(target, to, {**options, "concurrency": 1})
-    if one == writer_buffer_bytes(target, to, {**options, "concurrency": 2}):
-        return memory
-    return {**memory, "upload_concurrency": int(options.get("concurrency", DEFAULT_CONCURRENCY))}
 
 
 def run_plan(

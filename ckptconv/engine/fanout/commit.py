@@ -98,9 +98,12 @@ def _commit(
         finally:
             reopened.close()
     timings["verify_s"] = round(time.monotonic() - t1, 3)
-    # Each part's process uploads its ranges of an S3 target through a part upload of the grid's part size.
-    buffers = upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0
-    memory = plan.memory({e.key: e.nbytes for e in src.entries()}, writer_buffers=buffers)
+    # What each part's process was given (fanout.run._part_memory); a layout written before it was
+    # recorded there: the default, with a part upload of the grid's part size on S3.
+    memory = doc.get("memory") or plan.memory(
+        {e.key: e.nbytes for e in src.entries()},
+        writer_buffers=upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0,
+    )
     facts = {"parallelism": len(doc["parts"]), **(extras or {})}
     stage_manifest(
         layout,

@@ -25,7 +25,7 @@ from ckptconv.formats.layout import FileLayout, Span, span_bytes, value_bytes
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 from ckptconv.storage.local import LocalPatch
-from ckptconv.storage.part_upload import PartUpload
+from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, PartUpload
 
 
 def compute(step: Step, read: Callable[[str], Any]) -> Any:
@@ -123,11 +123,14 @@ def run_part(
     def hashed_as_read(key: str, value: Any) -> None:
         read_digests[key] = value_digest(value)
 
+    memory = doc.get("memory") or {}
+    largest = max((sizes.get(k, 0) for k in keys), default=0)
     fetcher = Prefetcher(
         src,
         keys,
         sizes,
-        max((sizes.get(k, 0) for k in keys), default=0),
+        # A memory budget lets the part read further ahead (see fanout.run._part_memory).
+        max(largest, memory.get("read_ahead_bytes") or 0) if memory.get("budget_bytes") else largest,
         workers=src.read_parallelism,
         on_read=hashed_as_read,
     )
@@ -209,6 +212,7 @@ def _writer(storage: Storage, f: FileLayout, doc: dict[str, Any], held: str) -> 
         storage.backend(f.uri),
         f.uri,
         part_size=doc["part_size"],
+        concurrency=(doc.get("memory") or {}).get("upload_concurrency") or DEFAULT_CONCURRENCY,
         upload_id=described["upload_id"],
     )
     return upload if f.tail is None else HeldUpload(storage, upload, f.tail, held)

@@ -21,13 +21,13 @@ from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
 from ckptconv.engine.fanout.split import grid_part_size, split_parts
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.publish import ConvertResult, _publish, _resume
-from ckptconv.engine.run import source_facts, verify_mode
+from ckptconv.engine.run import fit_uploads, source_facts, verify_mode
 from ckptconv.engine.staging import _attempt_stagings, _discard, _discard_after_failure, _Layout, _layout
 from ckptconv.formats import sink_class, target_exists
 from ckptconv.formats.base import OutputFile, TensorSource
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
-from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload
+from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ def _prepare(
     extra_files: dict[str, bytes],
     plan_key: str,
     job_id: str | None,
+    memory_budget: int | str | None = None,
 ) -> dict[str, Any]:
     storage = layout.storage
     options = {k: v for k, v in sink_options.items() if v is not None}
@@ -85,13 +86,17 @@ def _prepare(
     remote = storage.local_path(layout.sink_uri) is None
     total = sum(f.size for f in layouts)
     part_size = grid_part_size(total, parallelism) if remote else None
+    memory = _part_memory(plan, src, memory_budget, part_size)
     described = []
     for i, (f, gaps) in enumerate(files):
         storage.write_bytes(_gaps_uri(layout, i), gaps)
         upload_id = None
         if remote:
             upload = PartUpload(
-                storage.backend(f.uri), f.uri, part_size=part_size or DEFAULT_PART_SIZE, metadata=f.metadata
+                storage.backend(f.uri),
+                f.uri,
+                part_size=part_size or DEFAULT_PART_SIZE,
+                metadata=f.metadata,
             )
             upload_id = upload.upload_id
         described.append({**f.to_dict(), "upload_id": upload_id})
@@ -106,12 +111,24 @@ def _prepare(
         "digests": digests,
         "read_digests": read_digests,
         "late": late,
+        "memory": memory,
     }
     # The layout document makes this staging area adoptable by a later attempt: a stale attempt
     # never writes it (it discards its staging area instead, see run_fanout).
     fence(job_id)
     storage.write_bytes(_doc_uri(layout), json.dumps(doc).encode())
     return doc
+
+
+def _part_memory(
+    plan: Plan, src: TensorSource, budget: int | str | None, part_size: int | None
+) -> dict[str, int | None]:
+    """What each part's process may hold (``plan.memory``): the budget sizes every part's read-ahead
+    and, on S3, how many upload parts of the grid it sends at once (fewer when the budget is tight)."""
+    sizes = {e.key: e.nbytes for e in src.entries()}
+    if part_size is None:
+        return plan.memory(sizes, budget)
+    return fit_uploads(plan, sizes, budget, lambda concurrency: upload_buffer_bytes(part_size, concurrency))[0]
 
 
 def _plan_key(
@@ -160,10 +177,12 @@ def run_fanout(
     job_id: str | None = None,
     verify: bool | str = True,
     extras: dict[str, Any] | None = None,
+    memory_budget: int | str | None = None,
 ) -> ConvertResult:
     """Run ``plan`` as ``parallelism`` parts (see the module docstring); the result is the same
     files, byte for byte, that a single worker writes with the same sink options (``extra_files``
-    as :func:`~ckptconv.engine.run.run_plan` takes them)."""
+    as :func:`~ckptconv.engine.run.run_plan` takes them). ``memory_budget`` is each part's process's
+    (see :func:`_part_memory`)."""
     check_format(to)
     if to not in FANOUT_FORMATS:
         raise InvalidRequest(
@@ -191,7 +210,17 @@ def run_fanout(
         home, doc = _take_over(layout, job_id, runner, key)
         reused = _recorded(home, doc)
         if doc is None:
-            doc = _prepare(plan, src, layout, to=to, parallelism=parallelism, plan_key=key, job_id=job_id, **options)
+            doc = _prepare(
+                plan,
+                src,
+                layout,
+                to=to,
+                parallelism=parallelism,
+                plan_key=key,
+                job_id=job_id,
+                memory_budget=memory_budget,
+                **options,
+            )
         count = len(doc["parts"])
         reporter.stage("converting", plan.tensors_total, sum(f["size"] for f in doc["files"]))
         runner.dispatch(count)
