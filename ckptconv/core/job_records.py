@@ -8,6 +8,7 @@ returns (``job_resource``). It talks to no Redis.
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
@@ -37,7 +38,9 @@ def target_identity(uri: str) -> str:
     return uri.rstrip("/") or uri
 
 
+@functools.lru_cache(maxsize=4096)
 def iso(ms: str | int | None) -> str | None:
+    # Cached: a job's timestamps are formatted again for every read of it (polling reads it often).
     if ms in (None, ""):
         return None
     dt = datetime.fromtimestamp(int(ms) / 1000, UTC)
