@@ -19,7 +19,8 @@ from fastapi.testclient import TestClient
 from test_api import assert_problem, drop_prefix, job_body
 
 from ckptconv.core.auth import create_key
-from ckptconv.core.jobstore import RedisKeys
+from ckptconv.core.job_records import job_resource
+from ckptconv.core.jobstore import JobStore, RedisKeys
 from ckptconv.core.settings import Settings
 from service.app import create_app
 
@@ -164,3 +165,16 @@ def test_get_answers_the_job_or_404(api) -> None:
         doc = assert_problem(api.client.get(f"/v1/jobs/{missing}", headers=api.auth), 404, "not_found")
         assert doc["instance"] == f"/v1/jobs/{missing}"
     assert_problem(api.client.get(f"/v1/jobs/{job['id']}"), 401, "unauthorized")
+    # A read after any change of the record shows the change (documents are kept by their record).
+    store = JobStore(api.redis, api.keys)
+    progress = {"stage": "converting", "tensors_done": 1, "tensors_total": 2, "bytes_done": 5, "bytes_total": 9}
+    for change in (
+        lambda: store.progress(job["id"], progress),
+        lambda: store.set_fields(job["id"], {"attempts": 3}),
+        lambda: store.transition(job["id"], ("queued",), "cancelled"),
+    ):
+        before = api.client.get(f"/v1/jobs/{job['id']}", headers=api.auth).json()
+        change()
+        after = api.client.get(f"/v1/jobs/{job['id']}", headers=api.auth).json()
+        assert after != before and after == job_resource(store.get(job["id"]))
+    assert after["progress"] == progress and after["attempts"] == 3 and after["state"] == "cancelled"

@@ -147,7 +147,24 @@ async def get_job(job_id: JobId, request: Request) -> Response:
 
 async def job_document(state: AppState, caller: Principal, job_id: str) -> bytes:
     """The job resource of ``get_job`` as JSON (also served by ``service.hot``)."""
-    return _json(job_resource(await _owned(state, caller, job_id)))
+    rec = await _owned(state, caller, job_id)
+    # A job is polled: between two changes of its record every read renders the same document. The
+    # key is the whole record as read (every field, name and value), so a change is never missed.
+    key = tuple(rec.items())
+    doc = _documents.get(key)
+    if doc is None:
+        doc = _json(job_resource(rec))
+        if len(doc) <= DOCUMENT_CACHE_MAX_BYTES:
+            if len(_documents) >= DOCUMENT_CACHE_ENTRIES:
+                _documents.clear()
+            _documents[key] = doc
+    return doc
+
+
+# Job documents rendered lately, by the record they were rendered from (see job_document).
+DOCUMENT_CACHE_ENTRIES = 512
+DOCUMENT_CACHE_MAX_BYTES = 16 * 1024
+_documents: dict[tuple[tuple[str, str], ...], bytes] = {}
 
 
 @router.get(
