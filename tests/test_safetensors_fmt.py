@@ -35,6 +35,8 @@ from ckptconv.formats.sharding import (
     BESIDE_HASH_BYTES,
     SAFETENSORS,
     TORCH,
+    WRITE_PIECE_BYTES,
+    OutputSet,
     index_bytes,
     plan_shards,
     read_index,
@@ -302,6 +304,35 @@ def test_file_hashes_match_the_bytes_written_when_large_writes_are_hashed_beside
     assert [f.role for f in files] == ["data", "data", "index"]
     for f in files:
         assert f.sha256 == hashlib.sha256(Path(f.uri).read_bytes()).hexdigest(), f.uri
+
+
+class _WriteSizes:
+    """A storage writer's writes, recorded on their way to it."""
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+        self.sizes: list[int] = []
+
+    def write(self, data) -> int:
+        self.sizes.append(memoryview(data).nbytes)
+        return self.writer.write(data)
+
+
+def test_a_large_write_to_a_local_file_goes_out_in_pieces_each_hashed_as_written(tmp_path: Path) -> None:
+    data = bytes(range(256)) * ((2 * WRITE_PIECE_BYTES + 12345) // 256)
+    uri = str(tmp_path / "f.bin")
+    outputs = OutputSet(open_storage(uri))
+    w = outputs.create(uri)
+    seen = w.writer = _WriteSizes(w.writer)
+    w.write(b"head")
+    w.write(memoryview(data))
+    w.writer = seen.writer
+    [done] = outputs.commit()
+    assert Path(uri).read_bytes() == b"head" + data
+    assert done.size == 4 + len(data) and done.sha256 == hashlib.sha256(b"head" + data).hexdigest()
+    # Not one write of the whole: pieces that the page cache takes cheaply and the hash reads from cache.
+    assert seen.sizes[0] == 4 and sum(seen.sizes[1:]) == len(data)
+    assert len(seen.sizes) == 4 and max(seen.sizes) == WRITE_PIECE_BYTES
 
 
 def test_target_file_uri_and_shard_size_conflict(tmp_path: Path) -> None:
