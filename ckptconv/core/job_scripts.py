@@ -145,9 +145,10 @@ return {'unchanged', meta[1]}
 # message, atomically. The Idempotency-Key is looked up first (a repeated request gets the first
 # answer even while its job holds the target); then the target: held by a live job -> refused.
 # KEYS: job, idempotency (or ''), queue, target reservation (or '').
-# ARGV: prefix, id, owner, kind, fingerprint, idem_ttl_ms, response_body, message, record (JSON
-#       object of the hash's fields), labels (JSON object). JSON rather than one argument per field:
-#       redis-py packs each argument in Python, which made packing the costliest part of a submit.
+# ARGV: prefix, id, owner, kind, fingerprint, idem_ttl_ms, response_body, message, n, then n
+#       arguments: the hash's fields (name, value, ...), then the labels (name, value, ...). One
+#       argument per field rather than JSON: Redis decoding JSON cost more than the API's client
+#       packing the arguments (hiredis packs them; see service.limits).
 SUBMIT_LUA = """
 local p, id, owner, kind = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 if KEYS[2] ~= '' then
@@ -171,19 +172,14 @@ if KEYS[2] ~= '' then
              'location', '/v1/jobs/' .. id)
   redis.call('PEXPIRE', KEYS[2], ARGV[6])
 end
-local fields = {}
-for k, v in pairs(cjson.decode(ARGV[9])) do
-  fields[#fields + 1] = k
-  fields[#fields + 1] = v
-end
-redis.call('HSET', KEYS[1], unpack(fields))
--- The queued message, kept so that the reaper can queue it again if it is ever lost.
-redis.call('HSET', KEYS[1], 'message', ARGV[8])
+local n = tonumber(ARGV[9])
+-- The queued message is kept so that the reaper can queue it again if it is ever lost.
+redis.call('HSET', KEYS[1], 'message', ARGV[8], unpack(ARGV, 10, 9 + n))
 local o = p .. 'jobs:o:' .. owner
 redis.call('ZADD', o, 0, id)
 redis.call('ZADD', o .. ':s:queued', 0, id)
 redis.call('ZADD', o .. ':k:' .. kind, 0, id)
-for k, v in pairs(cjson.decode(ARGV[10])) do redis.call('ZADD', o .. ':l:' .. k .. '=' .. v, 0, id) end
+for i = 10 + n, #ARGV, 2 do redis.call('ZADD', o .. ':l:' .. ARGV[i] .. '=' .. ARGV[i + 1], 0, id) end
 redis.call('ZADD', p .. 'jobs:s:queued', redis.call('TIME')[1] * 1000, id)
 redis.call('LPUSH', KEYS[3], ARGV[8])
 return {'created'}

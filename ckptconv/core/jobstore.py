@@ -290,6 +290,7 @@ class AsyncJobStore:
     ) -> list[str]:
         """Create the job and enqueue its message; or, for a known Idempotency-Key, the stored outcome;
         or ``["target_taken", holder job id, holder owner]`` when a live job holds the target."""
+        fields = [x for field in rec.items() for x in field]
         out = await self._submit(
             keys=[self.keys.job(rec["id"]), idem_key or "", self.keys.queue(queue), rec.get("target_key", "")],
             args=[
@@ -301,8 +302,9 @@ class AsyncJobStore:
                 idem_ttl_seconds * 1000,
                 response_body,
                 message,
-                json.dumps(rec, separators=(",", ":")),
-                json.dumps(labels, separators=(",", ":")),
+                len(fields),
+                *fields,
+                *(x for label in labels.items() for x in label),
             ],
         )
         return [as_str(x) for x in out]
