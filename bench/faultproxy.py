@@ -45,6 +45,7 @@ class FaultProxy:
         stall_s: float = 2.0,
         seed: int = 0,
         delay_s: float = 0.0,
+        keep_alive: bool = False,
     ) -> None:
         unknown = set(faults) - set(FAULTS)
         if unknown:
@@ -61,6 +62,10 @@ class FaultProxy:
         self.delay_s = delay_s
         self.in_flight = 0
         self.peak_in_flight = 0
+        self.connections = 0  # client connections accepted (a client that reuses them opens few)
+        # Drop the upstream's "Connection: close" (moto's server closes after every answer), so
+        # that ``connections`` tells how the client reuses its connections.
+        self.keep_alive = keep_alive
         # Called with (method, path, lower-cased headers) for every request: tests record what was asked.
         self.on_request: Callable[[str, str, dict[str, str]], None] | None = None
         self._rng = random.Random(seed)
@@ -86,6 +91,8 @@ class FaultProxy:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                with proxy._lock:
+                    proxy.connections += 1
                 proxy._serve(self.request)
 
         class Server(socketserver.ThreadingTCPServer):
@@ -143,7 +150,8 @@ class FaultProxy:
                     upstream.request(method, target, body=body, headers=dict(headers))
                     resp = upstream.getresponse()
                     data = resp.read()
-                    out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in ("transfer-encoding",)]
+                    dropped = ("transfer-encoding", "connection") if self.keep_alive else ("transfer-encoding",)
+                    out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in dropped]
                     if method != "HEAD" and not any(k.lower() == "content-length" for k, _ in out_headers):
                         out_headers.append(("Content-Length", str(len(data))))
                     if resp.will_close:

@@ -46,6 +46,23 @@ def test_a_long_range_is_read_as_parallel_parts(s3_bucket, recorded, monkeypatch
     assert ranges == [12345 + i * 5 * MiB for i in range(5)]
 
 
+def test_ranged_reads_into_the_buffer_keep_their_connections(s3_bucket, s3_server, monkeypatch):
+    """Parts read straight from the socket into the buffer hand their connection back to the pool."""
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
+    monkeypatch.setenv("CKPTCONV_S3_READ_CONCURRENCY", "1")
+    data = os.urandom(30 * MiB)
+    S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/blob", data)
+    with FaultProxy(s3_server, keep_alive=True) as proxy:
+        storage = S3Storage(proxy.url)
+        for offset in range(0, len(data), 3 * MiB):
+            buf = bytearray(min(3 * MiB, len(data) - offset))
+            storage.read_into(f"s3://{s3_bucket}/blob", offset, buf)
+            assert buf == data[offset : offset + len(buf)]
+        assert storage.read_range(f"s3://{s3_bucket}/blob", 7, 20 * MiB) == data[7 : 7 + 20 * MiB]
+        assert proxy.requests == 11
+        assert proxy.connections == 1
+
+
 def test_values_are_read_in_parallel_with_at_most_the_read_concurrency_in_flight(
     s3_bucket, s3_server, monkeypatch, tmp_path
 ):

@@ -14,6 +14,7 @@ Settings (environment, read when the storage is built): ``CKPTCONV_S3_READ_CONCU
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import os
 import threading
 from collections.abc import Callable
@@ -139,18 +140,23 @@ class RangedGets:
                 raise short_read(uri, offset, length, done[0], int(size) if size else None) from None
             raise
         body = r["Body"]
+        raw = body._raw_stream
         try:
             skip, _end, total = _served_range(r.get("ContentRange"), start)
             announced = r.get("ContentLength")
-            raw = body._raw_stream  # readinto: straight into the caller's buffer, no intermediate copy
             _skip(raw, skip)  # a server that ignored Range sends the object from byte 0
+            readinto = _readinto(raw)
             while done[0] < length:
                 # In slices: a read that fails mid-way loses what it had, so keep each one small.
-                n = raw.readinto(view[done[0] : done[0] + READ_SLICE])
+                try:
+                    n = readinto(view[done[0] : done[0] + READ_SLICE])
+                except http.client.HTTPException as e:  # a broken chunked body
+                    raise TruncatedResponse(f"the body broke: {type(e).__name__}: {e}") from e
                 if not n:
                     break
                 done[0] += n
             if done[0] == length:
+                _release(raw)
                 return
             got = done[0] - (start - offset)
             if (total is not None and start + got >= total) or (announced is not None and skip + got >= announced):
@@ -179,6 +185,28 @@ def _served_range(content_range: str | None, start: int) -> tuple[int, int | Non
     if unit != "bytes" or first_n != start:
         raise TruncatedResponse(f"asked for bytes from {start}, got Content-Range {content_range!r}")
     return 0, last_n, int(total_text) if total_text.isdigit() else None
+
+
+def _readinto(raw: Any) -> Callable[[memoryview], int]:
+    """The body's ``readinto`` that fills the caller's buffer from the socket.
+
+    urllib3's ``readinto`` reads a new bytes object and copies it into the buffer: a fresh
+    allocation and a copy of every byte. The http.client response under it reads into the buffer
+    itself; a body of known length read whole is then handed back by :func:`_release`.
+    """
+    fp = getattr(raw, "_fp", None)
+    # botocore asks urllib3 for the bytes as sent (no decoding), so nothing waits in its buffers.
+    if isinstance(fp, http.client.HTTPResponse) and getattr(raw, "decode_content", True) is False:
+        return fp.readinto
+    return raw.readinto  # type: ignore[no-any-return]
+
+
+def _release(raw: Any) -> None:
+    """Return the connection of a body read whole to the pool (urllib3 did not see its end when
+    :func:`_readinto` read past it); one not read to its end is closed with the body."""
+    fp = getattr(raw, "_fp", None)
+    if isinstance(fp, http.client.HTTPResponse) and fp.isclosed():
+        raw.release_conn()
 
 
 def _skip(raw: Any, n: int) -> None:
