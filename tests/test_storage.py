@@ -290,3 +290,116 @@ def test_s3_error_mapping(code, status, expected, in_hint):
     if in_hint:
         assert in_hint in (err.hint or "")
     assert "s3://bkt/key" in str(err)
+
+
+def _counted_sha256(monkeypatch, size: int) -> list[int]:
+    """Count the sha256 computations of at least ``size`` bytes the block digests make."""
+    import hashlib
+    import types
+
+    from ckptconv.storage import digests
+
+    calls: list[int] = []
+
+    def sha256(data=b"", **kwargs):
+        if len(memoryview(data)) >= size:
+            calls.append(len(memoryview(data)))
+        return hashlib.sha256(data, **kwargs)
+
+    monkeypatch.setattr(digests, "hashlib", types.SimpleNamespace(sha256=sha256))
+    return calls
+
+
+def _block_digest(data: bytes, block: int) -> str:
+    import hashlib
+
+    from ckptconv.storage.digests import combine
+
+    return combine([hashlib.sha256(data[i : i + block]).hexdigest() for i in range(0, len(data), block)])
+
+
+def test_s3_parts_signed_over_http_are_hashed_once(s3_bucket, monkeypatch):
+    """SigV4 over plain HTTP signs each part's sha256: the block digest takes that hash, it does
+    not hash the part a second time."""
+    from ckptconv.storage.part_upload import PartUpload
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage()
+    assert storage.endpoint_url.startswith("http://")
+    calls = _counted_sha256(monkeypatch, MiB)
+    data = os.urandom(13 * MiB)
+    upload = PartUpload(storage, f"s3://{s3_bucket}/signed.bin", part_size=5 * MiB, concurrency=2)
+    for start in (10 * MiB, 0, 5 * MiB):  # out of order, as an H5 file's parts go
+        upload.write_at(start, data[start : start + 5 * MiB])
+    upload.complete(len(data))
+    assert storage.read_all(f"s3://{s3_bucket}/signed.bin") == data
+    assert upload.blocks.digest(len(data)) == _block_digest(data, 5 * MiB)
+    assert calls == []
+
+
+def test_s3_parts_sent_unsigned_are_hashed_for_the_block_digest(s3_bucket, s3_server, monkeypatch):
+    """A body sent without its sha256 (UNSIGNED-PAYLOAD, as over HTTPS) is hashed here."""
+    import boto3
+    from botocore.config import Config
+
+    from ckptconv.storage.part_upload import PartUpload
+    from ckptconv.storage.s3 import S3Storage
+
+    config = Config(
+        s3={"addressing_style": "path", "payload_signing_enabled": False}, request_checksum_calculation="when_required"
+    )
+    storage = S3Storage(client=boto3.session.Session().client("s3", endpoint_url=s3_server, config=config))
+    calls = _counted_sha256(monkeypatch, MiB)
+    data = os.urandom(11 * MiB)
+    upload = PartUpload(storage, f"s3://{s3_bucket}/unsigned.bin", part_size=5 * MiB, concurrency=2)
+    upload.write_at(0, data)
+    upload.complete(len(data))
+    assert storage.read_all(f"s3://{s3_bucket}/unsigned.bin") == data
+    assert upload.blocks.digest(len(data)) == _block_digest(data, 5 * MiB)
+    assert sorted(calls) == [MiB, 5 * MiB, 5 * MiB]
+
+
+def test_s3_a_file_written_front_to_back_gets_no_block_digest_of_its_parts(s3_bucket, s3_server, monkeypatch):
+    """Its sha256 is computed as it is written: hashing every part again would cost a CPU second per GB."""
+    import boto3
+    from botocore.config import Config
+
+    from ckptconv.storage.part_upload import open_output_writer
+    from ckptconv.storage.s3 import S3Storage
+
+    config = Config(
+        s3={"addressing_style": "path", "payload_signing_enabled": False}, request_checksum_calculation="when_required"
+    )
+    storage = S3Storage(client=boto3.session.Session().client("s3", endpoint_url=s3_server, config=config))
+    calls = _counted_sha256(monkeypatch, 1)
+    data = os.urandom(40 * MiB + 3)
+    uri = f"s3://{s3_bucket}/front-to-back.bin"
+    with open_output_writer(storage, uri, len(data)) as w:
+        w.write(data)
+    assert storage.read_all(uri) == data
+    assert calls == []
+
+
+def test_s3_part_buffers_are_reused_not_allocated_per_part(s3_bucket):
+    """A part's buffer is reused for a later part once the part is sent: fresh memory is zeroed and
+    faulted in page by page, which cost more than filling it. Every part still holds its own bytes."""
+    import resource
+
+    from ckptconv.formats.memory import bound_allocator
+    from ckptconv.storage.part_upload import PartUpload
+    from ckptconv.storage.s3 import S3Storage
+
+    bound_allocator()  # as in a converting process: every block of a part's size is its own mapping
+    storage = S3Storage()
+    part, parts = 5 * MiB, 16
+    data = os.urandom(parts * part + 123)
+    upload = PartUpload(storage, f"s3://{s3_bucket}/reused.bin", part_size=part, concurrency=1)
+    upload.write_at(0, data[:MiB])  # the first part and the upload's start, before counting
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for start in range(MiB, len(data), MiB):
+        upload.write_at(start, data[start : start + MiB])
+    faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize()
+    upload.complete(len(data))
+    assert storage.read_all(f"s3://{s3_bucket}/reused.bin") == data
+    # New buffers for every part would fault in all 80 MiB; reused ones, a few parts' worth.
+    assert faulted < parts * part / 2

@@ -43,15 +43,21 @@ class BlockHasher:
         self._blocks: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def add(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """Hash ``data``, the bytes at ``offset``: whole blocks, and the object's last one (shorter)."""
+    def add(self, offset: int, data: bytes | bytearray | memoryview, *, sha256: str | None = None) -> None:
+        """Hash ``data``, the bytes at ``offset``: whole blocks, and the object's last one (shorter).
+
+        ``sha256``: the hex sha256 of ``data``, when it is known already; used when ``data`` is one block."""
         if offset % self.block_size:
             raise ValueError(f"offset {offset} is not on a {self.block_size}-byte block boundary")
         view = memoryview(data).cast("B")
         size = self.block_size
-        found = {
-            (offset + at) // size: hashlib.sha256(view[at : at + size]).hexdigest() for at in range(0, len(view), size)
-        }
+        if sha256 is not None and 0 < len(view) <= size:
+            found = {offset // size: sha256}
+        else:
+            found = {
+                (offset + at) // size: hashlib.sha256(view[at : at + size]).hexdigest()
+                for at in range(0, len(view), size)
+            }
         with self._lock:
             self._blocks.update(found)
 

@@ -58,6 +58,7 @@ class PartUpload:
         overwrite: bool = False,
         upload_id: str | None = None,
         metadata: dict[str, str] | None = None,
+        block_digest: bool = True,
     ) -> None:
         # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
         from ckptconv.storage.s3 import MAX_PART_SIZE, MIN_PART_SIZE
@@ -74,13 +75,23 @@ class PartUpload:
         self._sent: set[int] = set()
         self._futures: list[Future[dict[str, Any]]] = []
         self._slots = threading.BoundedSemaphore(max(1, concurrency))
+        # Buffers of parts sent, for the next parts: a fresh 16 MiB buffer is zeroed and faulted in
+        # page by page (its own mapping: formats/memory.py), which costs more than filling it. A
+        # buffer is taken from here or made only when none is spare, so there are never more than
+        # the parts in flight and open at once, as without reuse.
+        self._spare: list[bytearray] = []
+        self._spare_lock = threading.Lock()
+        self._spare_max = max(1, concurrency) + OPEN_PARTS
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="s3-part")
         self._state = "open"
         # Given: this process fills some parts of an upload another one created and completes.
         self._upload_id: str | None = upload_id
         # Every part is hashed as it is sent (the grid's parts are multiples of part_size), so the
         # block digest of what this upload sent is known without reading it back (storage/digests.py).
+        # A caller that checksums the object otherwise (a file written front to back gets its
+        # sha256 as it is written) asks for none: hashing every byte again costs a CPU second per GB.
         self.blocks = BlockHasher(part_size)
+        self._block_digest = block_digest
 
     @property
     def upload_id(self) -> str:
@@ -136,7 +147,7 @@ class PartUpload:
             take = min(end - (offset + pos), len(view) - pos)
             if number in self._sent:
                 raise SinkProtocolError(f"{self.uri}: bytes at {offset + pos} written twice")
-            buf, filled = self._open.get(number) or (bytearray(end - start), 0)
+            buf, filled = self._open.get(number) or (self._buffer(end - start), 0)
             at = offset + pos - start
             buf[at : at + take] = view[pos : pos + take]
             filled += take
@@ -172,10 +183,35 @@ class PartUpload:
         while the sent one was still alive; on a loaded machine every thread of the pool could lag
         so, and a run peaked ``concurrency`` parts over its estimate.
         """
+        body = holder.pop()
         try:
-            return self._upload_part(number, holder.pop())
+            return self._upload_part(number, body)
         finally:
+            self._recycle(body)
+            del body
             self._slots.release()
+
+    def _buffer(self, size: int) -> bytearray:
+        """A buffer for a part of ``size`` bytes: a spare one (its old bytes are all written over
+        before it is sent again: a part is sent only once every byte of it was written)."""
+        with self._spare_lock:
+            for i, buf in enumerate(self._spare):
+                if len(buf) == size:
+                    return self._spare.pop(i)
+        return bytearray(size)
+
+    def _recycle(self, body: bytearray | memoryview) -> None:
+        if isinstance(body, bytearray):
+            with self._spare_lock:
+                if len(self._spare) < self._spare_max:
+                    self._spare.append(body)
+
+    def _stop_pool(self, *, cancel: bool = False) -> None:
+        """Wait for the parts in flight (dropping those not started when ``cancel``), and free the
+        spare buffers."""
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        with self._spare_lock:
+            self._spare.clear()
 
     def _raise_failed(self) -> None:
         for f in self._futures:
@@ -193,9 +229,14 @@ class PartUpload:
         }
         if s.part_checksums:
             kwargs["ChecksumAlgorithm"] = "CRC32"
-        self.blocks.add(self.part_bounds(number)[0], body)
+        # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
+        from ckptconv.storage.s3.client import signed_payload_sha256
+
         # Re-sending a part replaces it: safe to retry whatever happened to the earlier try.
-        r = s._call(self.uri, s.client.upload_part, **kwargs)
+        r, signed = signed_payload_sha256(lambda: s._call(self.uri, s.client.upload_part, **kwargs))
+        if self._block_digest:
+            # Signed over plain HTTP, the part was hashed to sign it: the same hash of the same bytes.
+            self.blocks.add(self.part_bounds(number)[0], body, sha256=signed)
         part = {"PartNumber": number, "ETag": r["ETag"]}
         if s.part_checksums and r.get("ChecksumCRC32"):
             part["ChecksumCRC32"] = r["ChecksumCRC32"]
@@ -226,7 +267,7 @@ class PartUpload:
             self.abort()
             raise
         self._state = "completed"
-        self._pool.shutdown(wait=True)
+        self._stop_pool()
         etag = r.get("ETag")
         return ObjectInfo(uri=self.uri, size=size, etag=etag.strip('"') if etag else None)
 
@@ -246,10 +287,10 @@ class PartUpload:
             parts = sorted((f.result() for f in self._futures), key=lambda p: p["PartNumber"])
         except BaseException:
             self._state = "aborted"
-            self._pool.shutdown(wait=True)
+            self._stop_pool()
             raise
         self._state = "flushed"
-        self._pool.shutdown(wait=True)
+        self._stop_pool()
         return parts
 
     def complete_parts(self, parts: list[dict[str, Any]], size: int) -> ObjectInfo:
@@ -267,7 +308,7 @@ class PartUpload:
             overwrite=self._overwrite,
         )
         self._state = "completed"
-        self._pool.shutdown(wait=True)
+        self._stop_pool()
         etag = r.get("ETag")
         return ObjectInfo(uri=self.uri, size=size, etag=etag.strip('"') if etag else None)
 
@@ -276,11 +317,12 @@ class PartUpload:
         buf, filled = self._open.pop(1, (bytearray(), 0))
         if filled != size:
             raise StorageError(f"{self.uri}: {size} bytes announced, {filled} written")
-        self.blocks.add(0, memoryview(buf)[:size])
+        if self._block_digest:
+            self.blocks.add(0, memoryview(buf)[:size])
         with self._storage.open_writer(self.uri, overwrite=self._overwrite) as w:
             w.write(memoryview(buf)[:size])
         self._state = "completed"
-        self._pool.shutdown(wait=True)
+        self._stop_pool()
         return self._storage.stat(self.uri)
 
     def stop(self) -> None:
@@ -292,7 +334,7 @@ class PartUpload:
         if self._state in ("open", "flushed"):
             self._state = "stopped"
         self._open.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stop_pool(cancel=True)
 
     def abort(self) -> None:
         """Abort the upload (after the parts in flight ended, or S3 might keep them); idempotent."""
@@ -303,7 +345,7 @@ class PartUpload:
         for f in self._futures:
             with contextlib.suppress(BaseException):
                 f.result()
-        self._pool.shutdown(wait=True)
+        self._stop_pool()
         if self._upload_id is not None:
             self._storage._abort_upload(self._bucket, self._key, self._upload_id, self.uri)
 
@@ -355,7 +397,14 @@ def open_output_writer(
     if storage.scheme == "s3":
         # The backend drives the multipart calls of this one object (a confined storage checks uri first).
         backend = storage.backend(uri)
-        upload = PartUpload(backend, uri, part_size=DEFAULT_PART_SIZE, concurrency=concurrency)  # type: ignore[arg-type]
+        # The file is hashed as it is written (its sha256): no block digest of its parts.
+        upload = PartUpload(
+            backend,  # type: ignore[arg-type]
+            uri,
+            part_size=DEFAULT_PART_SIZE,
+            concurrency=concurrency,
+            block_digest=False,
+        )
         return PartWriter(upload)
     writer = storage.open_writer(uri)
     preallocate = getattr(writer, "preallocate", None)
