@@ -10,6 +10,7 @@ restores, the TF2 way, a checkpoint that went TensorFlow -> Cerebras H5 -> Tenso
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -336,6 +337,24 @@ def test_num_shards_balances_whole_tensors(tmp_path):
         str(tmp_path / "few"), [tensor_entry("a", values["t0"])], values | {"a": values["t0"]}, num_shards=4
     )
     assert [Path(o.uri).name for o in out] == ["few.data-00000-of-00001", "few.index"]
+
+
+def test_local_files_are_hashed_as_written(tmp_path):
+    # Large tensors (written in pieces, hashed beside them) and small ones, over two data files with
+    # shard_by (both open at once): no file needs reading back for its sha256.
+    values = {
+        "big.a": sample("float32", (3 << 20,), 1),
+        "small.a": sample("int8", (10,), 2),
+        "big.b": sample("bfloat16", (1 << 20,), 3),
+        "small.b": sample("float32", (7,), 4),
+    }
+    prefix = str(tmp_path / "h")
+    out = write_bundle(prefix, [tensor_entry(k, v) for k, v in values.items()], values, shard_by=["big.*"])
+    assert [o.role for o in out] == ["data", "data", "index"]
+    for o in out:
+        assert o.sha256 == hashlib.sha256(Path(o.uri).read_bytes()).hexdigest(), o.uri
+    src = TfSource(open_storage(prefix), prefix)
+    assert all(raw_bytes(src.read(k)) == raw_bytes(v) for k, v in values.items())
 
 
 def test_shard_size_starts_a_new_file_before_a_tensor_would_exceed_it(tmp_path):

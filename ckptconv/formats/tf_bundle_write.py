@@ -18,8 +18,10 @@ are also written as scalar tensors so TensorFlow sees them.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +35,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, TensorSink
 from ckptconv.formats.layout import DATA, FileLayout, LayoutRecorder
 from ckptconv.formats.links import link_root
-from ckptconv.formats.sharding import create_local_skeletons, split_by_size
+from ckptconv.formats.sharding import WRITE_PIECE_BYTES, HashingWriter, create_local_skeletons, split_by_size
 from ckptconv.formats.tf_bundle_codec import (
     BUNDLE_VERSION,
     JSON_VALUE_TYPES,
@@ -84,6 +86,7 @@ class _ShardState:
     final: str
     writer: Writer | LayoutRecorder
     size: int = 0
+    hashed: HashingWriter | None = None  # a local data file: its sha256, computed as it is written
 
 
 class TfSink(TensorSink):
@@ -146,6 +149,7 @@ class TfSink(TensorSink):
         self._open: dict[int, _ShardState] = {}
         self._done: list[_ShardState] = []
         self._finished = False
+        self._hasher: ThreadPoolExecutor | None = None  # hashes a local data file's writes beside them
         self.skeleton = bool(options.get("skeleton"))
         self._skeletons: list[str] = []  # preallocated files _finish_skeleton created (abort removes them)
         self._recipe: dict[str, Any] | None = None
@@ -243,8 +247,9 @@ class TfSink(TensorSink):
     def _append(self, item: _Item, tf_dtype: int, shape: tuple[int, ...], chunks: list[memoryview], crc: int) -> None:
         shard = self._shard_for(item.shard)
         offset = shard.size
+        out = shard.hashed or shard.writer
         for chunk in chunks:
-            shard.writer.write(chunk)
+            out.write(chunk)
             shard.size += len(chunk)
         item.stored = BundleEntry(tf_dtype, shape, item.shard, offset, shard.size - offset, mask_crc(crc))
 
@@ -262,9 +267,21 @@ class TfSink(TensorSink):
             self._open[index] = shard
             return shard
         staged = self._staged(final)
-        shard = _ShardState(index, staged, final, self.storage.open_writer(staged, overwrite=True))
+        writer = self.storage.open_writer(staged, overwrite=True)
+        shard = _ShardState(index, staged, final, writer)
+        if self.storage.local_path(staged) is not None:
+            # Hashed as written, in pieces read from the caches by both the write and the hash:
+            # otherwise the engine reads the whole file back for its sha256 once it is written.
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tf-sha256")
+            shard.hashed = HashingWriter(writer, "data", self._hasher, WRITE_PIECE_BYTES)
         self._open[index] = shard
         return shard
+
+    def _stop_hasher(self) -> None:
+        hasher, self._hasher = self._hasher, None
+        if hasher is not None:
+            hasher.shutdown(wait=True)
 
     def _close_shards(self) -> None:
         for index in sorted(self._open):
@@ -334,6 +351,7 @@ class TfSink(TensorSink):
 
     def _commit(self) -> list[OutputFile]:
         table = self._table(self._finish_data(), self._num_shards)
+        self._stop_hasher()
         idx_final = index_uri(self.prefix)
         idx_staged = self._staged(idx_final)
         self.storage.write_bytes(idx_staged, table, overwrite=True)
@@ -344,8 +362,10 @@ class TfSink(TensorSink):
             self._delete_staged()
             raise
         self._finished = True
-        out = [OutputFile(s.final, s.size, None, "data") for s in self._done]
-        out.append(OutputFile(idx_final, len(table), None, "index"))
+        out = [
+            OutputFile(s.final, s.size, s.hashed.sha256.hexdigest() if s.hashed else None, "data") for s in self._done
+        ]
+        out.append(OutputFile(idx_final, len(table), hashlib.sha256(table).hexdigest(), "index"))
         return out
 
     # -- the layout, for outputs written by several processes (ckptconv.engine.fanout) -----------
@@ -406,6 +426,7 @@ class TfSink(TensorSink):
         return [(recipe["index"], cls._table(entries, recipe["num_shards"]), "index")]
 
     def _abort(self) -> None:
+        self._stop_hasher()
         skeletons, self._skeletons = self._skeletons, []
         for uri in skeletons:
             self.storage.delete(uri)
