@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.auth import Principal
+from ckptconv.core.errors import Forbidden
+from ckptconv.engine.staging import staging_root
 from ckptconv.jobs.kinds import option_uris
 
 
@@ -22,3 +24,18 @@ def scoped_refs(caller: Principal, body: Any) -> tuple[dict[str, Any], dict[str,
     for uri in option_uris(body.options):
         caller.check_uri(uri)
     return source, target_doc
+
+
+def check_staging(caller: Principal, target: str) -> None:
+    """A job stages and writes its manifest beside its target (:func:`staging_root`). For a target
+    at a prefix's root that is outside the prefix: refused here, not by the worker after the job
+    was accepted."""
+    staging = staging_root(target)
+    try:
+        caller.check_uri(staging)
+    except Forbidden:
+        raise Forbidden(
+            f"a job writes its staging area beside its target, in {staging}, which this API key may not access",
+            hint="name a target inside one of the key's prefixes (a file or directory below it), not the prefix itself",
+            uri=target,
+        ) from None

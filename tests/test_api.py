@@ -279,6 +279,16 @@ def test_uris_outside_the_keys_prefixes_are_403(api) -> None:
     )
 
 
+def test_a_target_at_the_root_of_a_prefix_is_403(api) -> None:
+    # A job stages and writes its manifest beside its target: at a prefix's root, outside the prefix.
+    for uri in ("s3://bucket/team-a/", "/data/team-a/"):
+        body = job_body(target={"uri": uri, "format": "safetensors"})
+        doc = assert_problem(api.client.post("/v1/jobs", json=body, headers=api.a), 403, "forbidden")
+        assert ".ckptconv-staging" in doc["detail"]
+    inside = job_body(target={"uri": "s3://bucket/team-a/out/", "format": "safetensors"})
+    assert api.client.post("/v1/jobs", json=inside, headers=api.a).status_code == 202
+
+
 def test_a_key_sees_only_its_own_jobs(api) -> None:
     job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
     assert_problem(api.client.get(f"/v1/jobs/{job['id']}", headers=api.b), 404, "not_found")

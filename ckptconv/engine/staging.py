@@ -55,6 +55,12 @@ def _layout(storage: Storage, target: str, staging: str | None, job_id: str | No
     return _Layout(storage, target, parent, staging.rstrip("/"))
 
 
+def staging_root(target: str) -> str:
+    """The staging directory of every job writing ``target`` (``<parent>/.ckptconv-staging/``):
+    besides the target itself, what a job must be allowed to write."""
+    return parent_of(normalize_uri(target).rstrip("/")).rstrip("/") + "/" + STAGING_DIR + "/"
+
+
 def attempt_staging(storage: Storage, parent: str, job_id: str | None) -> str:
     """Where the attempt in scope of ``job_id`` stages beside ``parent`` (attempt 0 outside a worker)."""
     attempt = current_attempt(job_id) if job_id else None

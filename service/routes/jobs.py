@@ -37,7 +37,7 @@ from service.deps import AppState, IdempotencyKey, authorized, fingerprint, idem
 from service.idempotency import replay
 from service.schemas.common import problem_responses
 from service.schemas.jobs import JOB_EVENT, Job, JobList, JobRequest, JobState, KindName
-from service.scopes import scoped_refs
+from service.scopes import check_staging, scoped_refs
 from service.targets import refuse_existing_target
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
@@ -88,6 +88,7 @@ async def submit(state: AppState, caller: Principal, body: Any, idempotency_key:
         await webhooks.check_at_submit(body.webhook.url, settings.webhook_allow_private_networks)
     record_key = idempotency_record_key(state, caller, idempotency_key) if idempotency_key else None
     if target_doc is not None and kind.new_target:
+        check_staging(caller, target_doc["uri"])
         try:
             await refuse_existing_target(target_doc, settings.target_check_timeout_seconds)
         except (TargetTaken, StorageUnavailable):
