@@ -100,7 +100,7 @@ class HotPaths:
         if raw:
             try:
                 doc = json.loads(raw)  # as FastAPI's Request.json()
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
                 doc = None
             else:
                 body, errors = self._body.validate(doc, {}, loc=("body",))

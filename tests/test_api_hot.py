@@ -97,6 +97,8 @@ def test_a_job_is_created_alike_both_ways(api, tmp_path: Path) -> None:
     [
         b"",
         b"{not json",
+        b"[" * 3000,  # parsing it recurses too deep (RecursionError, not a ValueError)
+        encode({**job_body(), "labels": 0}).replace(b": 0", b": " + b"[" * 1500 + b"]" * 1500),
         b"\xff\xfe",
         b"[]",
         b"null",
