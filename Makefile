@@ -8,12 +8,13 @@ lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
 
+# --durations=30: every log names the slowest tests (the suite is meant to stay under 20 minutes on 2 cores).
 test: setup
 	scripts/setup-tf-oracle.sh >/dev/null
 	scripts/setup-browser.sh
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 demo:
 	scripts/setup.sh
