@@ -45,9 +45,10 @@ def world(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         root = tmp / "root"
         (root / "team").mkdir(parents=True)
         (tmp / "svc").mkdir()
-        svc = Service(redis_url, bucket, tmp / "svc", prefixes=[f"s3://{bucket}/team/", f"{root}/team/"], env=BURST)
+        svc = Service(
+            redis_url, bucket, tmp / "svc", prefixes=[f"s3://{bucket}/team/", f"{root}/team/"], env=BURST, workers=1
+        )
         try:
-            svc.start_worker()
             yield {"svc": svc, "s3": s3, "bucket": bucket, "root": root, "client": client}
         finally:
             svc.stop()

@@ -66,8 +66,7 @@ def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactor
         },
     )
     try:
-        svc.dev_url = svc.start_api(CKPTCONV_ENVIRONMENT="development", CKPTCONV_AUTH_DISABLED="true")
-        svc.start_worker()
+        svc.dev_url = svc.start_api(workers=1, CKPTCONV_ENVIRONMENT="development", CKPTCONV_AUTH_DISABLED="true")
         yield svc
     finally:
         svc.stop()

@@ -35,9 +35,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def service(redis_url: str, bucket: str, root: Path) -> Iterator[Service]:  # noqa: F811
     (root / "svc").mkdir()
     # Local paths are URIs like any other: the key's prefixes must cover them.
-    svc = Service(redis_url, bucket, root / "svc", prefixes=[str(root / "data") + "/"])
+    svc = Service(redis_url, bucket, root / "svc", prefixes=[str(root / "data") + "/"], workers=1)
     try:
-        svc.start_worker()
         yield svc
     finally:
         svc.stop()

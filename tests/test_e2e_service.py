@@ -56,7 +56,10 @@ class Service:
         tmp: Path,
         prefixes: list[str] | None = None,
         env: dict[str, str] | None = None,
+        workers: int = 0,
     ) -> None:
+        """``workers`` worker processes start with the API, at once: each process spends seconds on
+        its imports (torch above all), and started one after the other they would add up."""
         self.prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
         self.bucket = bucket
         self.tmp = tmp
@@ -76,16 +79,20 @@ class Service:
         }
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
         self.procs: list[subprocess.Popen] = []
-        self.url = self.start_api()
+        self.url = self.start_api(workers=workers)
 
-    def start_api(self, **env: str) -> str:
+    def start_api(self, workers: int = 0, **env: str) -> str:
         """An API process on this Redis prefix (so served by these workers), with settings overridden by
-        ``env``; returns its URL once it answers."""
+        ``env``, and ``workers`` worker processes started beside it; returns its URL once the API
+        answers and the workers are ready."""
         port = free_port()
         proc = self._spawn("api", ["serve", "--port", str(port), "--log-level", "warning"], env)
         url = f"http://127.0.0.1:{port}"
         try:
+            started = [self._spawn_worker() for _ in range(workers)]
             self._wait_http(url, proc)
+            for worker in started:
+                self._wait_ready(worker)
         except BaseException:
             self.stop()
             raise
@@ -105,13 +112,24 @@ class Service:
         return proc
 
     def start_worker(self, *options: str) -> subprocess.Popen:
-        proc = self._spawn("worker", ["worker", "--pool", "solo", "--loglevel", "info", *options])
+        return self.start_workers(1, *options)[0]
+
+    def start_workers(self, count: int, *options: str) -> list[subprocess.Popen]:
+        """``count`` worker processes started at once; returns them when every one is ready."""
+        procs = [self._spawn_worker(*options) for _ in range(count)]
+        for proc in procs:
+            self._wait_ready(proc)
+        return procs
+
+    def _spawn_worker(self, *options: str) -> subprocess.Popen:
+        return self._spawn("worker", ["worker", "--pool", "solo", "--loglevel", "info", *options])
+
+    def _wait_ready(self, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + 60
         while b"ready." not in Path(proc.log_path).read_bytes():  # type: ignore[attr-defined]
             assert proc.poll() is None, Path(proc.log_path).read_text()  # type: ignore[attr-defined]
             assert time.monotonic() < deadline, "worker did not start"
             time.sleep(0.1)
-        return proc
 
     def _wait_http(self, url: str, proc: subprocess.Popen) -> None:
         import httpx
@@ -154,10 +172,9 @@ def bucket(s3_server: str) -> str:
 
 @pytest.fixture(scope="module")
 def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    svc = Service(redis_url, bucket, tmp_path_factory.mktemp("service"))
+    # Two workers, so that a duplicate delivery would have somewhere to go.
+    svc = Service(redis_url, bucket, tmp_path_factory.mktemp("service"), workers=2)
     try:
-        svc.start_worker()
-        svc.start_worker()  # two, so that a duplicate delivery would have somewhere to go
         yield svc
     finally:
         svc.stop()
@@ -303,10 +320,9 @@ def test_a_job_longer_than_the_visibility_timeout_is_delivered_once(
     make_checkpoint(bucket, "team/long/model.safetensors", 600)
     with FaultProxy(s3_server) as proxy:
         proxy.on_request = lambda *_: time.sleep(0.03)
-        svc = Service(redis_url, bucket, tmp_path, env={"AWS_ENDPOINT_URL": proxy.url})
+        # Two workers: one idle, where a second delivery of the message would go.
+        svc = Service(redis_url, bucket, tmp_path, env={"AWS_ENDPOINT_URL": proxy.url}, workers=2)
         try:
-            svc.start_worker()
-            svc.start_worker()  # idle: where a second delivery of the message would go
 
             def deliveries() -> int:
                 lines = [line for p in svc.procs[1:] for line in Path(p.log_path).read_text().splitlines()]
@@ -532,7 +548,8 @@ def test_kill_9_mid_upload_leaves_no_multipart_upload_after_the_takeover(
     """A safetensors target on S3 streams as a multipart upload from the staging area; the worker
     killed mid-upload never aborts it, so the attempt that takes over must (its parts are storage
     paid for and invisible to listings)."""
-    svc = Service(redis_url, bucket, tmp_path)
+    svc = Service(redis_url, bucket, tmp_path, workers=1)
+    first = svc.procs[1]
     s3 = boto3.client("s3")
 
     def uploads() -> list[str]:
@@ -541,7 +558,6 @@ def test_kill_9_mid_upload_leaves_no_multipart_upload_after_the_takeover(
 
     try:
         expected = make_checkpoint(bucket, "team/kill-mpu/model.safetensors", 120, dim=256)  # 30 MiB: parts
-        first = svc.start_worker()
         with svc.client() as c:
             job = c.submit(
                 f"s3://{bucket}/team/kill-mpu/model.safetensors",

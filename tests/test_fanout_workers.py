@@ -73,10 +73,8 @@ def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp("fanout")
     # parallelism "auto": one part per 8 MiB of output here (2 GiB by default).
     auto = {"CKPTCONV_AUTO_PARALLELISM_PART_BYTES": str(8 << 20), "CKPTCONV_AUTO_PARALLELISM_MAX": "3"}
-    svc = Service(redis_url, bucket, tmp, prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"], env=auto)
+    svc = Service(redis_url, bucket, tmp, prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"], env=auto, workers=2)
     try:
-        svc.start_worker()
-        svc.start_worker()
         yield svc
     finally:
         svc.stop()
@@ -134,12 +132,14 @@ def _slow_service(redis_url: str, bucket: str, s3_server: str, tmp: Path, proxy)
     # Every S3 request of the workers delayed by 30 ms: a part of a few hundred tensors (one ranged
     # read each) runs for seconds, long enough to be killed or cancelled in the middle.
     proxy.on_request = lambda *_: time.sleep(0.03)
-    svc = Service(
-        redis_url, bucket, tmp, prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"], env={"AWS_ENDPOINT_URL": proxy.url}
+    return Service(
+        redis_url,
+        bucket,
+        tmp,
+        prefixes=[f"s3://{bucket}/team/", f"{tmp}/out/"],
+        env={"AWS_ENDPOINT_URL": proxy.url},
+        workers=2,
     )
-    svc.start_worker()
-    svc.start_worker()
-    return svc
 
 
 def _part_wrote(svc: Service, job_id: str, index: int) -> None:
@@ -298,10 +298,9 @@ def test_the_jobs_own_worker_killed_is_taken_over_reusing_the_recorded_parts(
             tmp_path,
             prefixes=[f"s3://{bucket}/team/"],
             env={"AWS_ENDPOINT_URL": proxy.url},
+            workers=2,
         )
         try:
-            svc.start_worker()
-            svc.start_worker()
             with svc.client() as c:
                 job = c.submit(source, target, to="cs-h5", options={"parallelism": 2})
                 assert held.wait(180), f"the job never reached {stage}"

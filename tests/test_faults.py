@@ -380,10 +380,8 @@ def test_past_the_attempt_budget_the_reaped_job_fails_with_worker_lost(
 
 @pytest.fixture(scope="module")
 def service(redis_url: str, bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    svc = Service(redis_url, bucket, tmp_path_factory.mktemp("faults"))
+    svc = Service(redis_url, bucket, tmp_path_factory.mktemp("faults"), workers=2)
     try:
-        svc.start_worker()
-        svc.start_worker()
         yield svc
     finally:
         svc.stop()
@@ -470,10 +468,9 @@ def aof_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 def test_redis_restarted_mid_job_with_aof_loses_nothing(
     aof_redis: SimpleNamespace, bucket: str, tmp_path: Path
 ) -> None:
-    svc = Service(aof_redis.url, bucket, tmp_path)
+    svc = Service(aof_redis.url, bucket, tmp_path, workers=1)
     try:
         expected = make_checkpoint(bucket, "team/restart/model.safetensors", 200)
-        svc.start_worker()
         with svc.client() as c:
             job = c.submit(
                 f"s3://{bucket}/team/restart/model.safetensors", f"s3://{bucket}/team/restart-out/model.mdl", to="cs-h5"
@@ -503,10 +500,10 @@ def test_redis_restarted_mid_job_with_aof_loses_nothing(
 
 
 def test_sigkill_while_verifying_is_taken_over(redis_url: str, bucket: str, tmp_path: Path) -> None:
-    svc = Service(redis_url, bucket, tmp_path)
+    svc = Service(redis_url, bucket, tmp_path, workers=1)
+    first = svc.procs[1]
     try:
         expected = make_checkpoint(bucket, "team/kv/model.safetensors", 300)
-        first = svc.start_worker()
         with svc.client() as c:
             job = c.submit(
                 f"s3://{bucket}/team/kv/model.safetensors", f"s3://{bucket}/team/kv-out/model.mdl", to="cs-h5"
@@ -657,8 +654,9 @@ def test_a_plan_answers_while_every_conversion_worker_is_busy(redis_url: str, bu
     svc = Service(redis_url, bucket, tmp_path)
     try:
         make_checkpoint(bucket, "team/busy/model.safetensors", 600)
-        svc.start_worker("--queues", "jobs")  # the only conversion worker
+        # Both started at once (their imports overlap); the conversion worker is the only one.
         interactive = svc._spawn("interactive", ["worker", "--interactive", "--loglevel", "info"])
+        svc.start_worker("--queues", "jobs")
         wait_for(lambda: b"ready." in Path(interactive.log_path).read_bytes(), timeout=60)
         with svc.client() as c:
             job = c.submit(

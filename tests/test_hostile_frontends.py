@@ -69,9 +69,8 @@ def service(redis_url: str, bucket: str, corpus: Path) -> Iterator[Service]:  # 
     (corpus / "svc").mkdir()
     # The corpus is a burst of requests from one key: no rate limit here.
     burst = {"CKPTCONV_RATE_LIMIT_PER_SECOND": "0"}
-    svc = Service(redis_url, bucket, corpus / "svc", prefixes=[f"{corpus}/data/"], env=burst)
+    svc = Service(redis_url, bucket, corpus / "svc", prefixes=[f"{corpus}/data/"], env=burst, workers=1)
     try:
-        svc.start_worker()
         yield svc
     finally:
         svc.stop()

@@ -169,12 +169,11 @@ def _ended_job_with_hook(svc: Service, auth: dict[str, str], port: int) -> dict[
 
 
 def test_a_worker_retries_connect_errors_and_5xx_until_delivered(redis_url: str, tmp_path: Path) -> None:
-    svc = Service(redis_url, f"wh-{uuid.uuid4().hex[:8]}", tmp_path)
+    svc = Service(redis_url, f"wh-{uuid.uuid4().hex[:8]}", tmp_path, workers=1)
     port = free_port()  # nothing listens there yet: the first attempts cannot connect
     auth = {"Authorization": f"Bearer {svc.key}"}
     server = None
     try:
-        svc.start_worker()
         job = _ended_job_with_hook(svc, auth, port)
 
         def hook() -> dict[str, Any]:
@@ -250,10 +249,12 @@ def test_a_redelivered_webhook_message_never_goes_past_the_attempt_budget(
     timeout is handed out again): every copy stops at CKPTCONV_WEBHOOK_MAX_ATTEMPTS, or at a 410,
     counted on the job, and nothing is POSTed after the worker gave up."""
     server = _receiver(statuses=statuses)
-    svc = Service(redis_url, f"wh-{uuid.uuid4().hex[:8]}", tmp_path, env={"CKPTCONV_WEBHOOK_MAX_ATTEMPTS": "2"})
+    svc = Service(
+        redis_url, f"wh-{uuid.uuid4().hex[:8]}", tmp_path, env={"CKPTCONV_WEBHOOK_MAX_ATTEMPTS": "2"}, workers=1
+    )
+    worker = svc.procs[1]
     auth = {"Authorization": f"Bearer {svc.key}"}
     try:
-        worker = svc.start_worker()
         job = _ended_job_with_hook(svc, auth, server.server_port)
 
         def handled() -> int:  # deliver_webhook messages the worker finished with (retries are not counted)
