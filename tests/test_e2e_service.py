@@ -350,38 +350,49 @@ def _ms(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() * 1000
 
 
-def test_command_line_client_against_the_service(service: Service) -> None:
+def test_command_line_client_against_the_service(
+    service: Service, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptconv.cli.main import main as cli
+
     make_checkpoint(service.bucket, "team/cli/model.safetensors", 3)
-    env = {**service.env, "CKPTCONV_URL": service.url, "CKPTCONV_API_KEY": service.key}
-
-    def ckptconv(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "ckptconv", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-        )
-
-    out = ckptconv(
-        "submit",
+    env = {"CKPTCONV_URL": service.url, "CKPTCONV_API_KEY": service.key}
+    # The submission runs in a process of its own, as a user runs it; the commands after it run
+    # in this one (the same entry point, without seconds of imports for each).
+    source, target = (
         f"s3://{service.bucket}/team/cli/model.safetensors",
         f"s3://{service.bucket}/team/cli-out/model.mdl",
-        "--to",
-        "cs-h5",
-        "--label",
-        "via=cli",
-        "--wait",
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptconv", "submit", source, target, "--to", "cs-h5", "--label", "via=cli", "--wait"],
+        cwd=ROOT,
+        env={**service.env, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "state:    succeeded" in out.stdout
     # A streamed .mdl has a block digest, not a sha256: either is printed, never "None".
     assert re.search(r"sha256(-blocks)?:[0-9a-f]{64}", out.stdout) and "None" not in out.stdout, out.stdout
     assert "converting" in out.stderr  # the progress bar
-    listed = json.loads(ckptconv("jobs", "--label", "via=cli", "--json").stdout)
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def ckptconv(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = cli(list(args))
+        return (rc, *capsys.readouterr())
+
+    listed = json.loads(ckptconv("jobs", "--label", "via=cli", "--json")[1])
     assert len(listed) == 1 and listed[0]["state"] == "succeeded"
     job_id = listed[0]["id"]
-    assert json.loads(ckptconv("status", job_id, "--json").stdout)["id"] == job_id
-    refused = ckptconv("cancel", job_id)
-    assert refused.returncode == 2 and "[conflict]" in refused.stderr
-    missing = ckptconv("status", "job_" + "0" * 32)
-    assert missing.returncode == 2 and "[not_found]" in missing.stderr
+    assert json.loads(ckptconv("status", job_id, "--json")[1])["id"] == job_id
+    rc, _, err = ckptconv("cancel", job_id)
+    assert rc == 2 and "[conflict]" in err
+    rc, _, err = ckptconv("status", "job_" + "0" * 32)
+    assert rc == 2 and "[not_found]" in err
 
 
 # --- cancellation --------------------------------------------------------------------------------
