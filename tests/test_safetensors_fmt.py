@@ -500,46 +500,6 @@ def test_s3_reads_one_tensor_with_one_ranged_read(s3_bucket: str) -> None:
     assert size > 4 * 65536
 
 
-def _mapped_file_of(t: torch.Tensor) -> str | None:
-    """The name of the mapping that holds ``t``'s memory (from /proc/self/maps): a file's path,
-    ``[heap]``, or None for an anonymous mapping."""
-    address = t.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        if start <= address < end:
-            return fields[5] if len(fields) == 6 else None
-    return None
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="maps local files on Linux only")
-def test_a_large_local_tensor_is_the_files_pages_not_a_copy(tmp_path: Path) -> None:
-    big = sample(torch.bfloat16, (2048, 2048), 1)  # 8 MiB: mapped
-    small = sample(torch.float32, (1024,), 2)  # read into memory of its own
-    path = tmp_path / "m.safetensors"
-    save_file({"big": big, "small": small}, str(path))
-    before = path.read_bytes()
-    src = SafetensorsSource(open_storage(str(path)), str(path))
-    got = src.read("big")  # opens the file
-    fds = len(list(Path("/proc/self/fd").iterdir()))
-    held = [src.read("big") for _ in range(8)]  # mappings hold no file descriptor each
-    assert len(list(Path("/proc/self/fd").iterdir())) == fds
-    assert same_tensor(got, big) and all(same_tensor(t, big) for t in held)
-    assert _mapped_file_of(got) == str(path)
-    del held
-    assert _mapped_file_of(src.read("small")) != str(path)
-    got.zero_()  # a private mapping: the tensor changes, the file does not
-    assert path.read_bytes() == before
-    assert same_tensor(src.read("big"), big)
-    del got
-    # A file cut short after it was opened: an error, not a crash on a page past its end.
-    with open(path, "r+b") as f:
-        f.truncate(len(before) - 4096)
-    with pytest.raises(CorruptCheckpoint, match="ends early"):
-        src.read("big")
-    src.close()
-
-
 # --- attacks ----------------------------------------------------------------------------------
 
 

@@ -12,21 +12,14 @@ Two facts of glibc's allocator decide the peak RSS of a streaming conversion:
   as the copy that fills it. :func:`empty_tensor` takes large tensors from :class:`BufferPool`
   (buffers of finished tensors of the same size) and asks Linux for 2 MiB pages on new ones (one
   fault per 2 MiB where transparent huge pages are set to ``madvise``, the common default).
-
-A large tensor of a local file is not read into such a buffer at all: :func:`mapped_tensor` maps
-its bytes (a private, copy-on-write mapping of the page cache), which skips the kernel's copy into
-process memory, the largest CPU cost of reading after the disk itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import logging
 import math
-import mmap
-import os
 import sys
 import threading
 import weakref
@@ -48,7 +41,6 @@ HUGE_PAGE = 2 << 20
 MMAP_THRESHOLD = 4 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt parameter numbers, from glibc's malloc.h
 _MADV_HUGEPAGE = 14
-_MADV_POPULATE_READ = 22  # Linux 5.14+; mmap has no name for it before Python 3.13
 
 _libc: Any = None
 
@@ -62,16 +54,6 @@ def _c_library() -> Any:
                 _libc = ctypes.CDLL(None, use_errno=True)
                 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 _libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-                _libc.mmap.restype = ctypes.c_void_p
-                _libc.mmap.argtypes = [
-                    ctypes.c_void_p,
-                    ctypes.c_size_t,
-                    ctypes.c_int,
-                    ctypes.c_int,
-                    ctypes.c_int,
-                    ctypes.c_long,
-                ]
-                _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             except (OSError, AttributeError):
                 _libc = False
     return _libc
@@ -212,43 +194,3 @@ POOL = BufferPool()
 def empty_tensor(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """An uninitialized CPU tensor for a reader to fill: large ones come from :data:`POOL`."""
     return POOL.tensor(tuple(shape), dtype)
-
-
-def mapped_tensor(fd: int, offset: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor | None:
-    """The tensor stored at ``offset`` of the local file ``fd``, as a private mapping of the file.
-
-    No copy: the tensor's memory is the page cache's (``MAP_PRIVATE``: writing to the tensor
-    copies the page written, the file never changes). The mapping is filled in at once
-    (``MADV_POPULATE_READ``, read from disk here, on the reading thread, not page by page later)
-    and unmapped when the last tensor using it is gone; it holds no file descriptor (Python's
-    ``mmap`` keeps a duplicate of ``fd`` per mapping, and a large read-ahead of small tensors
-    would run out of them). ``None`` when the bytes are better read: smaller than
-    :data:`MMAP_THRESHOLD` (a mapping costs a few system calls), not aligned to the element size,
-    or no C library to map with.
-
-    Like any mapped file, the source must not shrink while it is converted (reading a page gone
-    from the file stops the process); a file already shorter than the tensor raises ValueError.
-    """
-    import torch
-
-    tdtype = torch_dtype(dtype)
-    nbytes = math.prod(shape) * tdtype.itemsize
-    libc = _c_library()
-    if nbytes < MMAP_THRESHOLD or offset % tdtype.itemsize or not libc:
-        return None
-    if offset + nbytes > os.fstat(fd).st_size:
-        raise ValueError(f"the file ends before byte {offset + nbytes}")
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    length = offset + nbytes - start
-    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, start)
-    if address in (None, ctypes.c_void_p(-1).value):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap: {os.strerror(err)}")
-    if libc.madvise(address, length, _MADV_POPULATE_READ) != 0:
-        err = ctypes.get_errno()
-        if err != errno.EINVAL:  # EINVAL: a kernel without it; the pages fault in as touched
-            libc.munmap(address, length)
-            raise OSError(err, f"reading the mapped file: {os.strerror(err)}")
-    arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address + offset - start))
-    weakref.finalize(arr, libc.munmap, address, length)  # arr lives as long as any tensor on it
-    return torch.from_numpy(arr).view(tdtype).view(shape)

@@ -486,25 +486,15 @@ def tensor_view(value: torch.Tensor) -> memoryview:
 def read_slot(storage: Storage, slot: Slot, fd: int | None = None) -> torch.Tensor:
     """One tensor from its byte range, read straight into the tensor's memory.
 
-    ``fd`` (an open local file): a large tensor maps the file's bytes (``mapped_tensor``, no
-    copy at all), a small one reads with ``preadv`` and no intermediate copy; otherwise one
+    ``fd`` (an open local file) reads with ``preadv`` and no intermediate copy; otherwise one
     ranged read of exactly the tensor's bytes.
     """
     import torch
 
     # Deferred: the buffer pool imports numpy, and the API process imports this module (shard
     # sizes) without numpy or torch.
-    from ckptconv.formats.memory import empty_tensor, mapped_tensor
+    from ckptconv.formats.memory import empty_tensor
 
-    if fd is not None:
-        try:
-            mapped = mapped_tensor(fd, slot.offset, slot.shape, slot.dtype)
-        except ValueError:
-            raise CorruptCheckpoint(
-                f"{slot.uri} ends early: wanted {slot.nbytes} bytes at offset {slot.offset}"
-            ) from None
-        if mapped is not None:
-            return mapped
     t = empty_tensor(slot.shape, slot.dtype)
     if slot.nbytes == 0:
         return t
