@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -527,3 +528,44 @@ def test_attack_generator_reproduces_the_corpus(tmp_path: Path) -> None:
                 assert (fresh / f.name).read_bytes() == f.read_bytes(), f
         else:
             assert fresh.read_bytes() == committed.read_bytes(), name
+
+
+TRUNCATED_MID_RUN = """
+import os, sys
+from ckptconv.core.errors import CorruptCheckpoint
+from ckptconv.engine.convert import convert
+
+source, target = sys.argv[1], sys.argv[2]
+asked = []
+
+def cancelled():
+    # The source is rewritten in place while the conversion runs (cp over it, torch.save to the
+    # same path): shortened after the first values were read.
+    asked.append(1)
+    if len(asked) == 2:
+        os.truncate(source, 4096)
+    return False
+
+try:
+    convert(source, target, to="cs-h5", cancelled=cancelled)
+except CorruptCheckpoint as e:
+    print("corrupt_checkpoint", e)
+    sys.exit(3)
+"""
+
+
+def test_a_source_shortened_during_a_conversion_is_corrupt_checkpoint_and_leaves_nothing(tmp_path: Path) -> None:
+    # In its own process: reading a shortened file through a memory mapping kills the process
+    # (SIGBUS) before any cleanup runs; a read must see the short file and fail typed instead.
+    g = torch.Generator().manual_seed(3)
+    source = tmp_path / "src" / "model.safetensors"
+    source.parent.mkdir()
+    save_file({f"w{i}": torch.randn(2048, 1024, generator=g) for i in range(12)}, str(source))  # 8 MiB each
+    target = tmp_path / "out" / "model.mdl"
+    target.parent.mkdir()
+    run = subprocess.run(
+        [sys.executable, "-c", TRUNCATED_MID_RUN, str(source), str(target)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 3, (run.returncode, run.stderr[-2000:])
+    assert "corrupt_checkpoint" in run.stdout
+    assert sorted(p.name for p in target.parent.iterdir()) == []  # no output, no staging left
