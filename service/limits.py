@@ -207,13 +207,16 @@ class BoundedPool(redis.asyncio.ConnectionPool):
         return connection
 
     async def release(self, connection: Any) -> None:
-        if connection.should_reconnect():
-            await connection.disconnect()
-        # In use until here, so the pool never holds more than max_connections.
-        self._in_use_connections.remove(connection)
-        self._available_connections.append(connection)
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                break
+        try:
+            if connection.should_reconnect():
+                await connection.disconnect()
+        finally:
+            # In use until here, so the pool never holds more than max_connections; and given back
+            # even when the command's task is cancelled while it disconnects, or the slot is lost.
+            self._in_use_connections.remove(connection)
+            self._available_connections.append(connection)
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    break

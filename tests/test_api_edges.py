@@ -67,7 +67,9 @@ def test_authentication_comes_before_the_body_is_parsed(redis_url: str, prefix: 
         assert c.get("/v1/formats").status_code == 200
 
 
-def test_a_body_over_the_limit_is_413(redis_url: str, prefix: str) -> None:
+def test_a_body_over_the_limit_is_413(redis_url: str, prefix: str, s3_server: str) -> None:
+    # s3_server: the accepted submission's target is checked on S3 (without a server the API's
+    # client would go to AWS, and the test passed only after another one had started moto).
     env = in_process(redis_url, prefix, max_body_bytes=64 * 1024)
     with TestClient(create_app(env.settings), raise_server_exceptions=False) as c:
         body = job_body(labels={f"k{i}": "v" * 60 for i in range(2000)})
@@ -265,6 +267,40 @@ def test_a_bounded_pool_makes_commands_wait_for_a_connection_then_gives_up(redis
                 await client.get(prefix + "n")
             for task in held:
                 task.cancel()
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_connection_released_while_it_disconnects_goes_back_to_the_pool(redis_url: str, prefix: str) -> None:
+    # Redis asked the connection to reconnect (a maintenance notice) and the command's task is
+    # cancelled while it disconnects: the pool's slot must not stay taken for good.
+    import redis.asyncio
+
+    from service.limits import BoundedPool
+
+    async def scenario() -> None:
+        pool = BoundedPool.from_url(redis_url, decode_responses=True, max_connections=1, timeout=1)
+        client = redis.asyncio.Redis.from_pool(pool)
+        try:
+            connection = await pool.get_connection()
+            slow = asyncio.Event()
+
+            async def disconnect(*_: object, **__: object) -> None:
+                slow.set()
+                await asyncio.sleep(10)
+
+            connection.should_reconnect = lambda: True
+            connection.disconnect = disconnect
+            releasing = asyncio.create_task(pool.release(connection))
+            await slow.wait()
+            releasing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await releasing
+            assert not pool._in_use_connections and pool._available_connections == [connection]
+            del connection.should_reconnect, connection.disconnect
+            assert await client.incr(prefix + "after") == 1  # the one connection serves again
         finally:
             await client.aclose()
 
