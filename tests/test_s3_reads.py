@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load, save
 
 from bench.faultproxy import FaultProxy
-from ckptconv.core.errors import InvalidRequest
+from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest
 from ckptconv.engine.convert import convert, plan_conversion
 from ckptconv.formats.detect import open_source
 from ckptconv.storage.s3 import S3Storage
@@ -90,6 +90,34 @@ def test_parallel_parts_survive_resets(s3_bucket, s3_server, monkeypatch):
         got = S3Storage(proxy.url, max_attempts=20).read_range(f"s3://{s3_bucket}/blob", 3, 40 * MiB - 3)
         assert got == data[3:]
         assert sum(proxy.counts.values()) >= 1
+
+
+def test_a_read_resumed_after_a_reset_refuses_an_object_replaced_meanwhile(s3_bucket, s3_server):
+    # The first GET breaks mid-body; before the retry the object is replaced. The retry asks for
+    # the rest of the object the first answer came from (If-Match): never bytes of two objects.
+    uri = f"s3://{s3_bucket}/blob"
+    old, new = os.urandom(6 * MiB), os.urandom(6 * MiB)
+    direct = S3Storage(s3_server)
+    direct.write_bytes(uri, old)
+    gets = []
+    with FaultProxy(s3_server, rate=1.0, faults=("reset",)) as proxy:
+
+        def arrived(method: str, path: str, headers: dict[str, str]) -> None:
+            if method == "GET" and "range" in headers:
+                gets.append(headers)
+                if len(gets) == 2:  # the retry: from now on no faults, and the object is another one
+                    proxy.rate = 0.0
+                    direct.delete(uri)
+                    direct.write_bytes(uri, new)
+
+        proxy.on_request = arrived
+        with pytest.raises(CorruptCheckpoint, match="replaced while it was being read"):
+            S3Storage(proxy.url, max_attempts=5).read_range(uri, 0, 6 * MiB)
+    assert len(gets) == 2 and "if-match" in gets[1] and "if-match" not in gets[0]
+    # Unchanged, the same reset is survived and the bytes are the object's.
+    with FaultProxy(s3_server, rate=1.0, faults=("reset",)) as proxy:
+        proxy.on_request = lambda method, path, headers: setattr(proxy, "rate", 0.0) if method == "GET" else None
+        assert S3Storage(proxy.url, max_attempts=5).read_range(uri, 0, 6 * MiB) == new
 
 
 def test_an_index_of_shards_opens_with_one_read_per_shard(s3_bucket, recorded):

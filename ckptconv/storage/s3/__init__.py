@@ -12,7 +12,7 @@ Guarantees on top of the :class:`~ckptconv.storage.base.Storage` contract:
   length and short. Past the budget the call fails with :class:`~ckptconv.core.errors.StorageError`.
 - Reads are concurrent ranged GETs, at most ``CKPTCONV_S3_READ_CONCURRENCY`` in flight per
   storage, each straight into the caller's buffer; a ranged read broken mid-body asks only for the
-  bytes it still lacks (:mod:`.reads`).
+  bytes it still lacks, of the same object (``If-Match`` the first answer's ETag) (:mod:`.reads`).
 - A create-only write retried after an answer was lost may find the object it created itself: the
   object's ETag tells (the MD5 of a put, the multipart ETag of a completed upload, the source's
   ETag of a copy), and then the write succeeded.

@@ -5,7 +5,8 @@ parts is fetched as parts of ``part_size`` bytes in parallel, each straight into
 caller's buffer. Every GET of this reader, whichever thread asks (the executor reads several
 values at once), takes one of ``concurrency`` slots: the number of GETs in flight is bounded no
 matter how many callers read at once. Each part is retried per the storage's policy on its own; a
-retry after a broken body asks only for the bytes still missing.
+retry after a broken body asks only for the bytes still missing, of the object the first answer
+came from (``If-Match``).
 
 Settings (environment, read when the storage is built): ``CKPTCONV_S3_READ_CONCURRENCY``
 (default 8) GETs in flight, each of at most ``CKPTCONV_S3_READ_PART_SIZE`` bytes (default 16 MiB).
@@ -23,6 +24,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from ckptconv.core.errors import CorruptCheckpoint
 from ckptconv.core.sizes import parse_size
 from ckptconv.storage.ranges import short_read
 from ckptconv.storage.s3.client import TruncatedResponse, error_code
@@ -120,25 +122,40 @@ class RangedGets:
 
     def _read_part(self, uri: str, bucket: str, key: str, offset: int, view: memoryview) -> None:
         done = [0]  # bytes in place so far; survives the failed tries
+        etag: list[str] = []  # the object's ETag as the first answer gave it
 
         def attempt() -> None:
             with self._slots:
-                self._get_into(uri, bucket, key, offset, view, done)
+                self._get_into(uri, bucket, key, offset, view, done, etag)
 
         self.retried(uri, attempt, "get_object")
 
-    def _get_into(self, uri: str, bucket: str, key: str, offset: int, view: memoryview, done: list[int]) -> None:
-        """One ranged GET of ``view[done[0]:]``; advances ``done[0]`` as bytes arrive."""
+    def _get_into(
+        self, uri: str, bucket: str, key: str, offset: int, view: memoryview, done: list[int], etag: list[str]
+    ) -> None:
+        """One ranged GET of ``view[done[0]:]``; advances ``done[0]`` as bytes arrive. A retry asks
+        for the rest of the same object (``If-Match`` the first answer's ETag): an object replaced
+        between two tries would otherwise fill one buffer with bytes of two objects."""
         length = len(view)
         start = offset + done[0]
+        condition = {"IfMatch": etag[0]} if etag and done[0] else {}
         try:
-            r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{offset + length - 1}")
+            r = self.client.get_object(
+                Bucket=bucket, Key=key, Range=f"bytes={start}-{offset + length - 1}", **condition
+            )
         except ClientError as e:
             code, status = error_code(e)
             if code == "InvalidRange" or status == 416:  # the range starts at or past the end
                 size = e.response.get("Error", {}).get("ActualObjectSize")
                 raise short_read(uri, offset, length, done[0], int(size) if size else None) from None
+            if condition and (code == "PreconditionFailed" or status == 412):
+                raise CorruptCheckpoint(
+                    f"{uri} was replaced while it was being read (its ETag is no longer {etag[0]})",
+                    hint="convert again once nothing writes the source any more",
+                ) from None
             raise
+        if not etag and r.get("ETag"):
+            etag.append(r["ETag"])
         body = r["Body"]
         raw = body._raw_stream
         try:
