@@ -27,15 +27,16 @@ def scoped_refs(caller: Principal, body: Any) -> tuple[dict[str, Any], dict[str,
 
 
 def check_staging(caller: Principal, target: str) -> None:
-    """A job stages and writes its manifest beside its target (:func:`staging_root`). For a target
-    at a prefix's root that is outside the prefix: refused here, not by the worker after the job
-    was accepted."""
+    """A job stages and writes its manifest beside its ``target`` (canonical, checked already):
+    :func:`staging_root`. For a target at a prefix's root that is outside the prefix: refused here,
+    not by the worker after the job was accepted. A prefix match of the name is enough here (the
+    target's checked parent is the staging area's): the worker's storage layer checks the staging
+    area itself, links included, whatever this early answer says."""
+    prefixes = caller.scopes.prefixes
     staging = staging_root(target)
-    try:
-        caller.check_uri(staging)
-    except Forbidden:
+    if prefixes is not None and not any(staging.startswith(p) for p in prefixes):
         raise Forbidden(
             f"a job writes its staging area beside its target, in {staging}, which this API key may not access",
             hint="name a target inside one of the key's prefixes (a file or directory below it), not the prefix itself",
             uri=target,
-        ) from None
+        )
