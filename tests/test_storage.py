@@ -403,3 +403,33 @@ def test_s3_part_buffers_are_reused_not_allocated_per_part(s3_bucket):
     assert storage.read_all(f"s3://{s3_bucket}/reused.bin") == data
     # New buffers for every part would fault in all 80 MiB; reused ones, a few parts' worth.
     assert faulted < parts * part / 2
+
+
+def test_a_persistent_block_tries_at_least_its_attempts_whatever_the_budget() -> None:
+    # The cleanup after a job failed on storage errors must not give up at the job's small budget.
+    from ckptconv.storage.retry import RetryPolicy, persistent
+
+    policy = RetryPolicy(attempts=2, backoff_s=0.0, backoff_max_s=0.0)
+
+    def failing(times: int):
+        tries = []
+
+        def call() -> str:
+            tries.append(1)
+            if len(tries) <= times:
+                raise ConnectionError("reset")
+            return "done"
+
+        return call, tries
+
+    call, tries = failing(3)
+    with pytest.raises(ConnectionError):
+        policy.run(call, transient=lambda e: True, what="x")
+    assert len(tries) == 2
+    call, tries = failing(3)
+    with persistent(5):
+        assert policy.run(call, transient=lambda e: True, what="x") == "done"
+    assert len(tries) == 4
+    call, tries = failing(3)  # outside the block, the budget again
+    with pytest.raises(ConnectionError):
+        policy.run(call, transient=lambda e: True, what="x")

@@ -75,6 +75,7 @@ from ckptconv.core.errors import (
     Cancelled,
     CkptconvError,
     LeaseLost,
+    StorageError,
     TimeLimitExceeded,
     WebhookRefused,
     WorkerLost,
@@ -87,6 +88,7 @@ from ckptconv.core.webhooks import sign
 from ckptconv.engine.convert import inspect as inspect_checkpoint
 from ckptconv.storage import open_storage
 from ckptconv.storage.confined import scoped
+from ckptconv.storage.retry import persistent
 from worker.celery_app import app, settings, store
 from worker.parts import RedisPartRunner
 
@@ -231,6 +233,11 @@ class JobRun:
             self._finish("failed", {"error": e.to_problem()})
         except CkptconvError as e:
             log.info("job %s failed: %s", self.job_id, e)
+            if isinstance(e, StorageError):
+                # The run discarded its staging already, but at the budget the store just failed:
+                # once more, trying harder, so that no staging object or multipart upload stays.
+                with persistent():
+                    self._cleanup(module, ctx)
             self._finish("failed", {"error": e.public(log, f"job {self.job_id}").to_problem()})
         except Exception as e:
             error = CkptconvError(f"unexpected {type(e).__name__}: {e}").logged(log, f"job {self.job_id}", e)

@@ -18,17 +18,22 @@ Settings (environment, read when a backend is built):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The least number of tries of the calls made in a ``persistent`` block, whatever the budget.
+_floor: contextvars.ContextVar[int] = contextvars.ContextVar("ckptconv_retry_floor", default=1)
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,22 @@ class RetryPolicy:
                 if not transient(e):
                     raise
                 failures += 1
-                if failures >= self.attempts:
+                if failures >= max(self.attempts, _floor.get()):
                     log.warning("%s: giving up after %d attempts: %s", what, failures, e)
                     raise
                 wait = self.delay(failures)
                 log.info("%s: attempt %d failed (%s: %s); retrying in %.2fs", what, failures, type(e).__name__, e, wait)
                 time.sleep(wait)
+
+
+@contextlib.contextmanager
+def persistent(attempts: int = RetryPolicy.attempts) -> Iterator[None]:
+    """Storage calls made in this block (on this thread) try at least ``attempts`` times.
+
+    For the cleanup after a job failed on storage errors: its staging objects and multipart uploads
+    must not stay behind because the store was failing at the job's own, smaller budget."""
+    token = _floor.set(attempts)
+    try:
+        yield
+    finally:
+        _floor.reset(token)
