@@ -3,11 +3,11 @@ Redis + Celery hot path, measured in the same run.
 
     .venv/bin/python -m bench.api_load [--duration 10] [--runs 3] [--connections 50]
 
-ckptconv runs as production runs it (``ckptconv serve --workers 2``: uvicorn with uvloop and
-httptools, no access log); the bare app runs under the same uvicorn settings, against the same
-Redis. 50 connections load them with ``wrk`` (``apt-get install wrk``) or, when wrk is missing, an
-asyncio/httpx generator in its own process (which competes for the same two cores, so figures are
-lower).
+ckptconv runs as production runs it (``ckptconv serve --workers 2``: two uvicorn processes with
+uvloop and httptools, no access log, taking the socket's connections in turn); the bare app runs in
+the same two processes under the same settings, against the same Redis. 50 connections load them
+with ``wrk`` (``apt-get install wrk``) or, when wrk is missing, an asyncio/httpx generator in its
+own process (which competes for the same two cores, so figures are lower).
 
 - bare POST: pydantic validation, one HSET, one Celery ``send_task``; bare GET: one HGETALL.
 - ckptconv POST /v1/jobs: API-key auth (hashed, cached), the per-key rate limit (one Redis round
@@ -135,9 +135,13 @@ class Server:
                 raise RuntimeError(f"{self.name} exited: see {self.log.name}")
             try:
                 httpx.get(f"http://127.0.0.1:{self.port}/docs", timeout=1)
-                return
             except httpx.TransportError:
                 time.sleep(0.2)
+                continue
+            # Both processes: one that is still starting would get none of the connections opened now.
+            if Path(self.log.name).read_text(errors="replace").count("Application startup complete") >= 2:
+                return
+            time.sleep(0.2)
         raise RuntimeError(f"{self.name} did not start")
 
     def cpu_seconds(self) -> float:
@@ -365,17 +369,20 @@ def main() -> int:
     # ckptconv as production starts it (Dockerfile, docker-compose.yml); the bare app with the same
     # uvicorn settings (2 processes, uvloop and httptools when installed, no access log).
     serve = [sys.executable, "-m", "ckptconv", "serve", "--host", "127.0.0.1", "--workers", "2"]
-    uvicorn = [sys.executable, "-m", "uvicorn", "--factory", "--workers", "2", "--log-level", "info"]
-    uvicorn += ["--no-access-log", "--host", "127.0.0.1"]
+    # The bare app runs in the same two processes (ckptconv.cli.api_processes, which spreads
+    # connections over them) with the same uvicorn settings.
+    bare_serve = (
+        "import sys, uvicorn; from ckptconv.cli.api_processes import serve; sys.exit(serve(uvicorn.Config("
+        "'bench.api_load:bare_app', factory=True, host='127.0.0.1', port=%d, workers=2, log_level='info',"
+        " access_log=False, loop='auto', http='auto')))"
+    )
     servers: list[Server] = []
     results: dict[str, list[dict[str, float]]] = {}
     try:
         p_ours, p_bare = free_port(), free_port()
         ours_args = [*serve, "--port", str(p_ours)]
         servers.append(Server("ckptconv", ours_args, ours_env, p_ours, tmp))
-        servers.append(
-            Server("bare", [*uvicorn, "--port", str(p_bare), "bench.api_load:bare_app"], bare_env, p_bare, tmp)
-        )
+        servers.append(Server("bare", [sys.executable, "-c", bare_serve % p_bare], bare_env, p_bare, tmp))
         ours_url, bare_url = f"http://127.0.0.1:{p_ours}", f"http://127.0.0.1:{p_bare}"
         ours, bare = servers
         if args.compare:

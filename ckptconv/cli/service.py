@@ -157,17 +157,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_keys_file:
         os.environ["CKPTCONV_API_KEYS_FILE"] = os.path.abspath(args.api_keys_file)
     _settings()  # fail here, with one line, rather than in every API process
-    uvicorn.run(
-        "service.app:create_app",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        loop="auto",
-        http="auto",
-    )
+    options: dict[str, Any] = {
+        "factory": True,
+        "host": args.host,
+        "port": args.port,
+        "workers": args.workers,
+        "log_level": args.log_level,
+        "access_log": args.access_log,
+        "loop": "auto",
+        "http": "auto",
+    }
+    if args.workers > 1:
+        from ckptconv.cli.api_processes import serve
+
+        # Not uvicorn's own multi-process mode: these processes take the socket's connections in turn.
+        return serve(uvicorn.Config("service.app:create_app", **options))
+    uvicorn.run("service.app:create_app", **options)
     return 0
 
 

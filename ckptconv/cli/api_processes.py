@@ -1,0 +1,226 @@
+"""``ckptconv serve --workers N``: the API in N processes that share one listening socket and take
+its connections in turn.
+
+uvicorn's own multi-process mode lets every process accept from the shared socket as fast as it
+can. A client pool that opens its connections at once (50 from a load balancer or a load test)
+then lands mostly on whichever process woke first: 44 against 6 of 50 connections was measured
+here, and 50 against 0, and that process's requests queue behind each other while the other
+process idles. Its tail latency is the service's.
+
+Here each process accepts one connection at a time and holds back while it serves more connections
+than the least busy of its siblings that are serving (live counts in shared memory). It holds back
+for at most ``HOLD_BACK_SECONDS`` per connection: a sibling that is stuck or slow does not keep new
+connections waiting, and one that is starting or dead is not waited for. A process that dies is
+started again in its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("uvicorn.error")
+
+NOT_SERVING = -1  # the count of a process that is starting, or dead: siblings do not wait for it
+HOLD_BACK_SECONDS = 0.05  # the longest a new connection waits for a less busy process to take it
+RECHECK_SECONDS = 0.001  # how often a process holding back looks again
+RESTART_PAUSE_SECONDS = 0.5  # between a process's death and its replacement
+QUICK_DEATHS = 3  # processes that die this many times in a row within STARTUP_SECONDS: give up
+STARTUP_SECONDS = 10.0
+
+
+class CountedConnections(set):
+    """uvicorn's set of a process's live connections (``server_state.connections``: protocols add
+    themselves when made and discard themselves when lost) that also publishes its size in the
+    process's slot of the shared counts."""
+
+    def __init__(self, counts: Any, slot: int) -> None:
+        super().__init__()
+        self._counts, self._slot = counts, slot
+
+    def add(self, item: Any) -> None:
+        super().add(item)
+        self._counts[self._slot] = len(self)
+
+    def discard(self, item: Any) -> None:
+        super().discard(item)
+        self._counts[self._slot] = len(self)
+
+
+class Acceptor:
+    """Accepts from a listening socket one connection at a time, while this process is not busier
+    than its least busy sibling. Closed like an ``asyncio.Server`` when uvicorn shuts down."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        protocol: Callable[[], asyncio.Protocol],
+        counts: Any,
+        slot: int,
+        connections: set,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._listener, self._protocol = listener, protocol
+        self._counts, self._slot, self._connections = counts, slot, connections
+        self._opening = 0  # accepted, not yet in ``connections``
+        self._held_since: float | None = None
+        self._closed = False
+        self._resume_handle: asyncio.TimerHandle | None = None
+        self._pending: set[asyncio.Task[None]] = set()
+        listener.setblocking(False)
+        counts[slot] = len(connections)  # serving from now on: siblings compare themselves with it
+        self._loop.add_reader(listener.fileno(), self._readable)
+
+    def _busier_than_a_sibling(self) -> bool:
+        mine = self._counts[self._slot] + self._opening
+        return any(mine > n >= 0 for i, n in enumerate(self._counts) if i != self._slot)  # NOT_SERVING < 0
+
+    def _readable(self) -> None:
+        if self._busier_than_a_sibling():
+            now = time.monotonic()
+            if self._held_since is None:
+                self._held_since = now
+            if now - self._held_since < HOLD_BACK_SECONDS:
+                self._pause(RECHECK_SECONDS)
+                return
+        self._held_since = None
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return  # a sibling took it
+        except OSError as e:  # out of file descriptors, say: stop accepting a moment rather than spin
+            log.error("accepting a connection failed: %s", e)
+            self._pause(0.1)
+            return
+        conn.setblocking(False)
+        self._opening += 1
+        task = self._loop.create_task(self._connect(conn))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(self._protocol, conn)
+        except Exception as e:  # the client left at once, say
+            log.debug("a connection closed before it was served: %s", e)
+            conn.close()
+        finally:
+            self._opening -= 1
+
+    def _pause(self, seconds: float) -> None:
+        self._loop.remove_reader(self._listener.fileno())
+        self._resume_handle = self._loop.call_later(seconds, self._resume)
+
+    def _resume(self) -> None:
+        self._resume_handle = None
+        if not self._closed:
+            self._loop.add_reader(self._listener.fileno(), self._readable)
+            self._readable()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._resume_handle is not None:
+            self._resume_handle.cancel()
+        else:
+            self._loop.remove_reader(self._listener.fileno())
+
+    async def wait_closed(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+
+class BalancedServer(uvicorn.Server):
+    """uvicorn's server for one of the N processes: uvicorn starts the application (lifespan, state)
+    with no socket of its own, and the :class:`Acceptor` feeds it connections."""
+
+    def __init__(self, config: uvicorn.Config, counts: Any, slot: int) -> None:
+        super().__init__(config)
+        self._counts, self._slot = counts, slot
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.server_state.connections = CountedConnections(self._counts, self._slot)
+        await super().startup(sockets=[])
+        config, loop = self.config, asyncio.get_running_loop()
+
+        def protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=loop
+            )
+
+        self.servers = []
+        for sock in sockets or []:
+            # As asyncio's create_server would: the socket takes connections once a process serves it.
+            sock.listen(config.backlog)
+            self.servers.append(Acceptor(sock, protocol, self._counts, self._slot, self.server_state.connections))
+
+
+def _run_process(config: uvicorn.Config, listener: socket.socket, counts: Any, slot: int) -> None:
+    config.configure_logging()
+    with contextlib.suppress(KeyboardInterrupt):
+        BalancedServer(config, counts, slot).run(sockets=[listener])
+
+
+def serve(config: uvicorn.Config) -> int:
+    """Run ``config.workers`` API processes until SIGINT or SIGTERM; returns the exit status."""
+    listener = config.bind_socket()
+    ctx = multiprocessing.get_context("spawn")
+    counts = ctx.RawArray("q", config.workers)
+    stopping: list[int] = []
+
+    def start(slot: int) -> multiprocessing.process.BaseProcess:
+        counts[slot] = NOT_SERVING
+        process = ctx.Process(target=_run_process, args=(config, listener, counts, slot), name=f"api-{slot}")
+        process.start()
+        log.info("Started API process %d [%d]", slot, process.pid)
+        return process
+
+    def stop(sig: int, frame: Any) -> None:
+        stopping.append(sig)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    processes = [start(slot) for slot in range(config.workers)]
+    started = [time.monotonic()] * config.workers
+    quick_deaths = [0] * config.workers
+    status = 0
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            for slot, process in enumerate(processes):
+                if process.is_alive() or stopping:
+                    continue
+                counts[slot] = NOT_SERVING
+                quickly = time.monotonic() - started[slot] < STARTUP_SECONDS
+                quick_deaths[slot] = quick_deaths[slot] + 1 if quickly else 0
+                log.error("API process %d [%d] exited with %s", slot, process.pid, process.exitcode)
+                if quick_deaths[slot] >= QUICK_DEATHS:
+                    log.error("API process %d keeps dying at start; stopping", slot)
+                    stopping.append(0)
+                    status = 3
+                    break
+                time.sleep(RESTART_PAUSE_SECONDS)
+                processes[slot], started[slot] = start(slot), time.monotonic()
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()  # SIGTERM: uvicorn finishes what is under way, then stops
+        deadline = time.monotonic() + (config.timeout_graceful_shutdown or 30) + 5
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        listener.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status

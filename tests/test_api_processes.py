@@ -1,0 +1,176 @@
+"""``ckptconv serve --workers N``: N API processes share the listening socket's connections evenly,
+and a stuck, killed or stopped process does not stop the others serving.
+
+Each test runs the real command and opens real connections; which process holds a connection is
+read from /proc (the process's socket descriptors against the kernel's table of TCP connections).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from test_api import drop_prefix
+
+from bench.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads connections from /proc")
+
+REQUEST = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+class Serve:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+
+    def children(self) -> list[int]:
+        """The API processes (multiprocessing may also start a resource tracker beside them)."""
+        children = []
+        for entry in os.listdir("/proc"):
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            # stat: "pid (comm) state ppid ...", comm may hold spaces
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and b"spawn_main" in cmdline:
+                children.append(int(entry))
+        return sorted(children)
+
+    def wait_started(self, processes: int, startups: int = 0, timeout: float = 60.0) -> list[int]:
+        """The API processes' pids once ``processes`` of them run and ``startups`` (default
+        ``processes``) startups have finished (uvicorn logs each)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.log.read_text(errors="replace").count("Application startup complete") >= (startups or processes):
+                children = self.children()
+                if len(children) == processes:
+                    return children
+            assert self.proc.poll() is None, self.log.read_text(errors="replace")
+            time.sleep(0.1)
+        raise AssertionError(f"{processes} API processes did not start:\n{self.log.read_text(errors='replace')}")
+
+    def held_by(self, pids: list[int]) -> dict[int, int]:
+        """How many established connections to the server's port each process holds."""
+        established = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if not os.path.exists(table):
+                continue
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                if local_port == self.port and fields[3] == "01":  # 01: ESTABLISHED
+                    established.add(fields[9])  # the socket's inode
+        held = {}
+        for pid in pids:
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+            held[pid] = len(inodes & established)
+        return held
+
+
+@pytest.fixture
+def serve(redis_url: str, tmp_path: Path) -> Iterator[Serve]:
+    prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    port = free_port()
+    env = {
+        **os.environ,
+        "CKPTCONV_REDIS_URL": redis_url,
+        "CKPTCONV_REDIS_PREFIX": prefix,
+        "CKPTCONV_STORAGE_PROBE_URI": f"{tmp_path}/",
+    }
+    log = tmp_path / "serve.log"
+    args = [sys.executable, "-m", "ckptconv", "serve", "--dev", "--workers", "2", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield Serve(proc, port, log)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        drop_prefix(redis.Redis.from_url(redis_url), prefix)
+
+
+def connect(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections opened at once (as a client pool opens them), each answered once."""
+    conns = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(n)]
+    for c in conns:
+        c.sendall(REQUEST)
+    for c in conns:
+        assert c.recv(65536).startswith(b"HTTP/1.1 200"), "a connection was not served"
+    return conns
+
+
+def test_connections_opened_at_once_are_shared_evenly(serve: Serve) -> None:
+    pids = serve.wait_started(2)
+    for _ in range(3):  # uvicorn's own mode gave 44/6 and 50/0 splits of 50 connections
+        conns = connect(serve.port, 40)
+        held = serve.held_by(pids)
+        assert sum(held.values()) == 40 and min(held.values()) >= 18, held
+        for c in conns:
+            c.close()
+        deadline = time.monotonic() + 10
+        while sum(serve.held_by(pids).values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def test_a_stopped_process_does_not_keep_connections_waiting(serve: Serve) -> None:
+    stopped, running = serve.wait_started(2)
+    idle = connect(serve.port, 2)  # one each: the stopped process looks no busier than the other
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        # The running process holds back from each new connection only briefly, then takes it.
+        conns = connect(serve.port, 10)
+        assert serve.held_by([running])[running] >= 10
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    for c in [*idle, *conns]:
+        c.close()
+
+
+def test_a_killed_process_is_replaced_and_the_other_serves_meanwhile(serve: Serve) -> None:
+    killed, survivor = serve.wait_started(2)
+    os.kill(killed, signal.SIGKILL)
+    for c in connect(serve.port, 5):
+        c.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = serve.children()
+        if len(children) == 2 and killed not in children and survivor in children:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the killed API process was not replaced: {serve.children()}")
+    pids = serve.wait_started(2, startups=3)  # the replacement logs its own startup
+    conns = connect(serve.port, 20)
+    assert min(serve.held_by(pids).values()) >= 8
+    for c in conns:
+        c.close()
+
+
+def test_sigterm_stops_every_process(serve: Serve) -> None:
+    pids = serve.wait_started(2)
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.proc.wait(60) == 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
