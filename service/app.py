@@ -25,6 +25,7 @@ from service.deps import BEARER_SCHEME, AppState
 from service.edges import Edges
 from service.hot import HotPaths
 from service.limits import BoundedPool, RateLimiter, StreamSlots
+from service.multiplexer import MultiplexedRedis
 from service.queue import TaskMessages
 from service.routes import catalog, dashboard, health, jobs, models, plans
 from service.schemas.common import PROBLEM_JSON, Problem, problem_responses
@@ -80,7 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
 
-        def client(max_connections: int) -> Any:
+        def client(max_connections: int, kind: type[redis.asyncio.Redis] = redis.asyncio.Redis) -> Any:
             # After a Redis restart every pooled connection is dead; without a retry each one failed
             # its next command once (a 503 per connection). A command is resent on a fresh connection
             # only after a connection error, i.e. when it did not reach the server or its reply was
@@ -95,9 +96,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
                 retry_on_error=[redis.exceptions.ConnectionError],
             )
-            return redis.asyncio.Redis.from_pool(pool)
+            return kind.from_pool(pool)
 
-        short, blocking = client(settings.redis_max_connections), client(settings.redis_blocking_connections)
+        # Short commands share one connection, written once per event-loop iteration (service.multiplexer).
+        short = client(settings.redis_max_connections, MultiplexedRedis)
+        blocking = client(settings.redis_blocking_connections)
         keys = RedisKeys(settings.redis_prefix, settings.broker_prefix)
         file_keys = load_keys_file(settings.api_keys_file) if settings.api_keys_file else {}
         app.state.ckptconv = AppState(

@@ -186,17 +186,8 @@ class BoundedPool(redis.asyncio.ConnectionPool):
                     return await super().get_connection(*args, **kwargs)
                 except redis.exceptions.MaxConnectionsError:
                     pass  # another command took the free connection first: wait for the next one
-            loop = asyncio.get_running_loop()
-            deadline = deadline if deadline is not None else loop.time() + self.timeout
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                raise redis.exceptions.ConnectionError("No connection available.") from None
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
+            deadline = deadline if deadline is not None else asyncio.get_running_loop().time() + self.timeout
+            await wait_in_line(self._waiters, deadline)
 
     def make_connection(self) -> Any:
         connection = super().make_connection()
@@ -215,8 +206,28 @@ class BoundedPool(redis.asyncio.ConnectionPool):
             # even when the command's task is cancelled while it disconnects, or the slot is lost.
             self._in_use_connections.remove(connection)
             self._available_connections.append(connection)
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    break
+            wake(self._waiters, 1)
+
+
+async def wait_in_line(waiters: collections.deque[asyncio.Future[None]], deadline: float) -> None:
+    """Wait among ``waiters`` until :func:`wake` wakes this one; at ``deadline`` (loop time), the
+    ``ConnectionError`` of a pool found exhausted (the API answers 503)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    waiters.append(waiter)
+    try:
+        await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
+    except TimeoutError:
+        raise redis.exceptions.ConnectionError("No connection available.") from None
+    finally:
+        with contextlib.suppress(ValueError):
+            waiters.remove(waiter)
+
+
+def wake(waiters: collections.deque[asyncio.Future[None]], n: int) -> None:
+    """Wake the ``n`` oldest of ``waiters`` still waiting."""
+    while n > 0 and waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(None)
+            n -= 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -112,6 +113,39 @@ def redis_url() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+class PrivateRedis:
+    """A redis-server of the test's own (with an append-only file, or with no persistence at all)."""
+
+    def __init__(self, data: Path, *, aof: bool, save: str = "", extra: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(data)]
+        self.argv += ["--appendonly", "yes" if aof else "no", "--save", save, *extra]
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
+        wait_port(self.port, 30.0)
+        return proc
+
+    def restart(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)  # a clean shutdown: the append-only file is synced
+        self.proc.wait(timeout=30)
+        self.proc = self._start()
+
+    def kill(self) -> None:
+        """Gone at once, as in a crash: no reply to what it was sent, its connections reset."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def start(self) -> None:
+        self.proc = self._start()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
 
 
 @contextmanager

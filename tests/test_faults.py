@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import httpx
 import pytest
 import redis
 import test_e2e_service as e2e
+from conftest import PrivateRedis
 from test_e2e_service import Service, check_outputs, listing, make_checkpoint, wait_for
 
 from bench.faultproxy import FaultProxy
@@ -425,35 +425,6 @@ def test_the_job_deadline_fires_first_and_leaves_nothing_at_the_target(service: 
     left = listing(service.bucket, "team/slow-out")
     assert set(left) <= {"team/slow-out/model.mdl.ckptconv-job.json"}, left
     assert not listing(service.bucket, "team/.ckptconv-staging")
-
-
-class PrivateRedis:
-    """A redis-server of the test's own (with an append-only file, or with no persistence at all)."""
-
-    def __init__(self, data: Path, *, aof: bool, save: str = "", extra: tuple[str, ...] = ()) -> None:
-        from conftest import free_port
-
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(data)]
-        self.argv += ["--appendonly", "yes" if aof else "no", "--save", save, *extra]
-        self.proc = self._start()
-
-    def _start(self) -> subprocess.Popen:
-        from conftest import wait_port
-
-        proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
-        wait_port(self.port, 30.0)
-        return proc
-
-    def restart(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)  # a clean shutdown: the append-only file is synced
-        self.proc.wait(timeout=30)
-        self.proc = self._start()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture

@@ -1,0 +1,299 @@
+"""The API's short Redis commands share one connection (service.multiplexer): every reply reaches
+its own command whatever happens around it (cancelled callers, error replies, scripts Redis forgot,
+Redis killed, restarted or stalled), and what is not multiplexed keeps its pooled connections."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+import redis.exceptions
+from conftest import PrivateRedis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from service.limits import BoundedPool
+from service.multiplexer import MultiplexedRedis
+
+# A command that needs every connection a test's server has (the default is to refuse DEBUG).
+DEBUG = ("--enable-debug-command", "local")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
+    private = PrivateRedis(tmp_path_factory.mktemp("redis"), aof=False, extra=DEBUG)
+    try:
+        yield private
+    finally:
+        private.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A server of the test's own, for a test that kills or restarts it."""
+    private = PrivateRedis(tmp_path, aof=False, extra=DEBUG)
+    try:
+        yield private
+    finally:
+        private.stop()
+
+
+def client(url: str, *, max_connections: int = 8, pool_timeout: float = 5, retries: int = 3, **kwargs: Any) -> Any:
+    """The API's short-command client (service.app), on ``url``."""
+    pool = BoundedPool.from_url(
+        url,
+        decode_responses=True,
+        socket_connect_timeout=5,
+        max_connections=max_connections,
+        timeout=pool_timeout,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+        retry_on_error=[redis.exceptions.ConnectionError],
+        **kwargs,
+    )
+    return MultiplexedRedis.from_pool(pool)
+
+
+def plain(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+def test_commands_of_one_iteration_go_out_together_on_one_connection(server: PrivateRedis) -> None:
+    async def scenario() -> None:
+        r = client(server.url, max_connections=64)
+        try:
+            await r.ping()
+            before = plain(server.url).info("stats")["total_net_input_bytes"]
+            writes = []
+            transport = r._mux._connection.transport
+            write = transport.write
+            transport.write = lambda data: (writes.append(data), write(data))  # type: ignore[func-returns-value]
+            answers = await asyncio.gather(*(r.incr("mux:together") for _ in range(50)))
+            assert sorted(answers) == list(range(1, 51))
+            assert len(writes) == 1 and writes[0].count(b"INCRBY") == 50
+            assert plain(server.url).info("stats")["total_net_input_bytes"] > before
+            # The pool keeps one connection fewer: the shared one is one of the process's connections.
+            assert r.connection_pool.max_connections == 63
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_callers_cancelled_at_random_never_shift_the_replies_of_the_others(server: PrivateRedis) -> None:
+    n = 3000
+    plain(server.url).mset({f"mux:v{i}": str(i) for i in range(n)})
+
+    async def scenario() -> None:
+        r = client(server.url)
+        echo = r.register_script("return ARGV[1]")
+        rng = random.Random(7)
+        try:
+
+            async def one(i: int) -> tuple[int, Any]:
+                if i % 3 == 0:
+                    return i, await echo(args=[f"e{i}"])
+                if i % 3 == 1:
+                    return i, await r.get(f"mux:v{i}")
+                return i, await r.hgetall(f"mux:none{i}")
+
+            expected = {0: lambda i: f"e{i}", 1: lambda i: str(i), 2: lambda i: {}}
+            tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+            cancelled_while_waiting = 0
+            for _ in range(40):  # cancel some at every stage: queued, written, half answered
+                await asyncio.sleep(0)
+                for task in rng.sample(tasks, 25):
+                    if not task.done():
+                        cancelled_while_waiting += task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            answered = [x for x in results if not isinstance(x, BaseException)]
+            assert cancelled_while_waiting > 0 and len(answered) > n // 2
+            assert all(isinstance(x, asyncio.CancelledError) for x in results if isinstance(x, BaseException))
+            for i, value in answered:
+                assert value == expected[i % 3](i), (i, value)
+            # Nothing is owed any more, and the next command gets its own reply.
+            assert not r._mux._connection.pending
+            assert await r.get("mux:v5") == "5"
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_error_replies_reach_only_their_own_commands(server: PrivateRedis) -> None:
+    plain(server.url).set("mux:string", "x")
+
+    async def scenario() -> None:
+        r = client(server.url)
+        fails = r.register_script(
+            "if ARGV[1] == 'bad' then return redis.error_reply('ERR refused ' .. ARGV[2]) end return ARGV[2]"
+        )
+        try:
+            calls = []
+            for i in range(300):
+                if i % 4 == 0:
+                    calls.append(r.hgetall("mux:string"))  # WRONGTYPE
+                elif i % 4 == 1:
+                    calls.append(fails(args=["bad", str(i)]))
+                elif i % 4 == 2:
+                    calls.append(fails(args=["good", str(i)]))
+                else:
+                    calls.append(r.get("mux:string"))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for i, result in enumerate(results):
+                if i % 4 == 0:
+                    assert isinstance(result, redis.exceptions.ResponseError) and "WRONGTYPE" in str(result)
+                elif i % 4 == 1:
+                    assert isinstance(result, redis.exceptions.ResponseError) and str(result).endswith(f"refused {i}")
+                elif i % 4 == 2:
+                    assert result == str(i)
+                else:
+                    assert result == "x"
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_script_redis_forgot_is_loaded_again(server: PrivateRedis) -> None:
+    async def scenario() -> None:
+        r = client(server.url)
+        script = r.register_script("return KEYS[1] .. ':' .. ARGV[1]")
+        try:
+            assert await script(keys=["k"], args=["first"]) == "k:first"
+            plain(server.url).script_flush()
+            # Every command of the burst meets NOSCRIPT, loads the script and runs it.
+            answers = await asyncio.gather(*(script(keys=["k"], args=[str(i)]) for i in range(40)))
+            assert answers == [f"k:{i}" for i in range(40)]
+            assert plain(server.url).script_exists(script.sha) == [True]
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_redis_killed_mid_burst_fails_commands_typed_and_the_next_ones_reconnect(own_server: PrivateRedis) -> None:
+    server = own_server
+
+    async def scenario() -> None:
+        r = client(server.url, retries=1)
+        try:
+            assert await r.set("mux:before", "1")
+            # Commands queued behind a busy Redis are waiting for their replies when it dies.
+            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "1"))
+            await asyncio.sleep(0.2)
+            waiting = [asyncio.ensure_future(r.incr("mux:burst")) for _ in range(200)]
+            while not r._mux._connection or not r._mux._connection.pending:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(server.kill)
+            results = await asyncio.gather(*waiting, return_exceptions=True)
+            await asyncio.gather(stall, return_exceptions=True)
+            errors = [x for x in results if isinstance(x, BaseException)]
+            assert errors and all(type(e) is redis.exceptions.ConnectionError for e in errors), errors[:3]
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await r.get("mux:before")  # nobody listens: refused, typed, not hung
+            await asyncio.to_thread(server.start)
+            assert await r.incr("mux:after") == 1  # a new connection (the old server's data is gone)
+            assert await asyncio.gather(*(r.incr("mux:after") for _ in range(10))) == list(range(2, 12))
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_restart_between_bursts_costs_no_error(own_server: PrivateRedis) -> None:
+    # The client's retry policy resends a command that met the dead connection (as for pooled ones).
+    server = own_server
+
+    async def scenario() -> None:
+        r = client(server.url)
+        try:
+            assert await r.incr("mux:n") == 1
+            await asyncio.to_thread(server.restart)
+            assert await asyncio.gather(*(r.incr("mux:n") for _ in range(20))) == list(range(1, 21))
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_redis_times_out_as_a_pooled_command_does(server: PrivateRedis) -> None:
+    # With a socket timeout in the URL, a command Redis does not answer fails with TimeoutError,
+    # multiplexed or pooled alike.
+    url = server.url + "?socket_timeout=0.2"
+
+    async def scenario() -> Any:
+        r = client(url, retries=1)
+        pooled = redis.asyncio.Redis.from_pool(
+            BoundedPool.from_url(
+                url,
+                decode_responses=True,
+                max_connections=2,
+                timeout=5,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+                retry_on_error=[redis.exceptions.ConnectionError],
+            )
+        )
+        try:
+            await r.ping()
+            await pooled.ping()
+            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "3"))
+            await asyncio.sleep(0.2)
+            outcomes = await asyncio.gather(r.get("mux:x"), pooled.get("mux:x"), return_exceptions=True)
+            await stall
+            assert await r.set("mux:x", "after")  # and the next command is answered
+            return outcomes
+        finally:
+            await r.aclose()
+            await pooled.aclose()
+
+    multiplexed, pooled = asyncio.run(scenario())
+    assert type(multiplexed) is type(pooled) is redis.exceptions.TimeoutError
+
+
+def test_a_stalled_redis_holds_as_many_commands_as_the_pool_had_connections(server: PrivateRedis) -> None:
+    # Without a socket timeout commands wait for Redis; past the pool's size they give up after the
+    # pool's timeout, as commands that found every pooled connection taken did (503).
+    async def scenario() -> None:
+        r = client(server.url, max_connections=4, pool_timeout=0.5)
+        try:
+            await r.ping()
+            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "2"))
+            await asyncio.sleep(0.2)
+            held = [asyncio.ensure_future(r.incr("mux:held")) for _ in range(4)]
+            await asyncio.sleep(0)
+            with pytest.raises(redis.exceptions.ConnectionError, match="No connection available"):
+                await r.incr("mux:held")
+            assert sorted(await asyncio.gather(*held)) == [1, 2, 3, 4]
+            await stall
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_blocking_commands_and_pipelines_keep_their_pooled_connections(server: PrivateRedis) -> None:
+    async def scenario() -> None:
+        r = client(server.url, max_connections=3)
+        pool = r.connection_pool
+        try:
+            waiting = asyncio.ensure_future(r.blpop(["mux:list"], timeout=5))
+            while not pool._in_use_connections:
+                await asyncio.sleep(0.01)
+            # The blocked pop holds a pooled connection; multiplexed commands go on beside it.
+            assert await r.lpush("mux:list", "a") == 1
+            assert list(await waiting) == ["mux:list", "a"]
+            pipe = r.pipeline(transaction=True)
+            pipe.set("mux:p", "1")
+            pipe.get("mux:p")
+            assert await pipe.execute() == [True, "1"]
+            assert len(pool._available_connections) + len(pool._in_use_connections) <= pool.max_connections == 2
+        finally:
+            await r.aclose()
+
+    asyncio.run(scenario())
