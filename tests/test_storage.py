@@ -191,6 +191,49 @@ def test_s3_user_metadata_survives_multipart_and_publish(s3_bucket):
     assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
+def test_s3_publish_copies_the_parts_of_a_large_object_concurrently(s3_bucket):
+    import threading
+    import time
+
+    from botocore.exceptions import ClientError
+
+    from ckptconv.core.errors import StorageError
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage(multipart_copy_threshold=5 * MiB, copy_part_size=5 * MiB, max_attempts=1)
+    copy_part, lock = storage.client.upload_part_copy, threading.Lock()
+    in_flight, most, fail_part = [0], [0], [0]
+
+    def counted(**kwargs):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            time.sleep(0.2)  # long enough for the others to start, if they are going to
+            if kwargs["PartNumber"] == fail_part[0]:
+                raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "UploadPartCopy")
+            return copy_part(**kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    storage.client.upload_part_copy = counted
+    data = os.urandom(30 * MiB + 3)  # 7 parts
+    staged, final = f"s3://{s3_bucket}/stage/big", f"s3://{s3_bucket}/out/big"
+    storage.write_bytes(staged, data)
+    storage.publish([(staged, final)])
+    assert storage.read_all(final) == data
+    assert most[0] > 1
+
+    # One part failing fails the copy: no object, no upload left behind, the staged bytes kept.
+    storage.write_bytes(staged, data)
+    fail_part[0] = 4
+    with pytest.raises(StorageError):
+        storage.publish([(staged, f"s3://{s3_bucket}/out/other")])
+    assert not storage.exists(f"s3://{s3_bucket}/out/other") and storage.exists(staged)
+    assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
 def test_s3_abort_removes_the_multipart_upload(s3_bucket):
     storage = open_storage(f"s3://{s3_bucket}/")
     w = storage.open_writer(f"s3://{s3_bucket}/k", part_size=5 * MiB)
