@@ -22,7 +22,7 @@ from ckptconv.core.jobstore import AsyncJobStore, RedisKeys
 from ckptconv.core.settings import Settings, get_settings
 from service import problems
 from service.deps import BEARER_SCHEME, AppState
-from service.edges import Edges
+from service.edges import EdgesFirst
 from service.hot import HotPaths
 from service.limits import BoundedPool, RateLimiter, StreamSlots
 from service.multiplexer import MultiplexedRedis
@@ -127,7 +127,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await short.aclose()
             await blocking.aclose()
 
-    app = FastAPI(
+    app = EdgesFirst(
+        hot=HotPaths(),
         title="ckptconv",
         version=__version__,
         description=DESCRIPTION,
@@ -138,6 +139,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     problems.install(app)
     for router in (jobs.router, plans.router, catalog.router, models.router, health.router, dashboard.router):
         app.include_router(router)
-    app.add_middleware(Edges, hot=HotPaths())
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

@@ -7,20 +7,30 @@
 - A body larger than ``max_body_bytes`` answers 413: at once when ``Content-Length`` says so, else
   (chunked bodies) as soon as the bytes received pass the limit; the rest is never read.
 
-A plain ASGI middleware (no per-request objects beyond a closure): it sits on the hot path. It also
-hands the two hottest requests (submit a job, get a job) to ``service.hot``, which answers them
-without FastAPI's per-request machinery.
+This is done by the application itself (:class:`EdgesFirst`, the FastAPI app the server runs), in
+front of FastAPI's own middleware stack, which each request would otherwise pay for (every layer
+wraps the call, ``send`` or ``receive``) before reaching these checks. It then hands the two hottest
+requests (submit a job, get a job) to ``service.hot``, which answers them without FastAPI's
+per-request machinery, and everything else (other requests, lifespan events) to FastAPI.
+
+What FastAPI's outer layers did for a request answered here, it does the same way: ``scope["app"]``
+is set as Starlette sets it, and an unhandled exception gets what Starlette's
+``ServerErrorMiddleware`` gives (the application's 500 handler answers, unless the response had
+started, and the exception goes on to the server). Not done here: FastAPI's native OpenTelemetry
+instrumentation, which is inactive in this service (no OpenTelemetry SDK is installed or configured).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import HTTPException
+from fastapi import FastAPI, HTTPException
+from starlette.middleware.errors import ServerErrorMiddleware
+from starlette.responses import Response
 
 from ckptconv.core.errors import CkptconvError, PayloadTooLarge
-from service.deps import CALLER, authenticate
-from service.hot import HotPaths
+from service.deps import CALLER, AppState, authenticate
+from service.hot import Handover, HotPaths
 from service.problems import as_error, problem_response
 
 # Under /v1/, only these answer without a key (what the service converts, not whose data).
@@ -41,33 +51,84 @@ def content_length(scope: dict[str, Any]) -> int | None:
     return None
 
 
-class Edges:
-    def __init__(self, app: Any, hot: HotPaths | None = None) -> None:
-        self.app = app
+class EdgesFirst(FastAPI):
+    """The service's FastAPI application: the checks above, then ``service.hot`` or FastAPI."""
+
+    def __init__(self, *, hot: HotPaths | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.hot = hot
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http":  # lifespan events (and websockets, of which there are none)
+            await super().__call__(scope, receive, send)
             return
-        state = scope["app"].state.ckptconv
-        limit = state.settings.max_body_bytes
+        if self.root_path:  # as FastAPI sets it
+            scope["root_path"] = self.root_path
+        scope["app"] = self  # as Starlette sets it: service.hot and the problem handler read it
+        started = False
         try:
-            if needs_key(scope["path"]):
-                scope[CALLER] = caller = await authenticate(state, scope)
-                await state.limiter.take(caller.id)
-            length = content_length(scope)
-            if length is not None and length > limit:
-                raise PayloadTooLarge(f"the request body has {length} bytes; this service accepts at most {limit}")
-        except Exception as e:
-            error = e if isinstance(e, CkptconvError) else as_error(e, scope["method"], scope["path"])
-            await problem_response(error, scope["path"], method=scope["method"])(scope, receive, send)
-            return
-        handler = self.hot.handler(scope) if self.hot is not None else None
-        if handler is not None:
-            await handler(scope, _bounded(receive, limit), send, self.app)
-            return
-        await self.app(scope, _bounded(receive, limit), send)
+            state: AppState = self.state.ckptconv
+            limit = state.settings.max_body_bytes
+            receive = _bounded(receive, limit)
+            answer = await _refusal(state, scope, limit)
+            if answer is None:
+                handler = self.hot.handler(scope) if self.hot is not None else None
+                if handler is None:
+                    answer = Handover(receive)
+                else:
+                    answer = await handler(scope, receive)
+            if type(answer) is tuple:
+                status, headers, body = answer
+                # The headers Starlette's Response sends, in its order.
+                headers.append((b"content-length", str(len(body)).encode()))
+                headers.append((b"content-type", b"application/json"))
+                started = True
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+            if isinstance(answer, Response):
+                started = True
+                await answer(scope, receive, send)
+                return
+        except Exception as exc:
+            await self._server_error(exc, scope, receive, send, started)
+            raise
+        # FastAPI answers (with its own server-error handling), reading the body from answer.receive.
+        await super().__call__(scope, answer.receive, send)
+
+    async def _server_error(
+        self, exc: Exception, scope: dict[str, Any], receive: Any, send: Any, started: bool
+    ) -> None:
+        """What Starlette's ServerErrorMiddleware, with the handler FastAPI gives it, does for ``exc``
+        (it raises ``exc`` again): the same middleware, around a call that raises ``exc``."""
+        handler = None
+        for key, value in self.exception_handlers.items():  # as FastAPI.build_middleware_stack picks it
+            if key in (500, Exception):
+                handler = value
+
+        async def reraise(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            raise exc
+
+        async def sent_already(message: dict[str, Any]) -> None:
+            pass  # the handler still runs (it logs the error), but nothing more is sent
+
+        middleware = ServerErrorMiddleware(reraise, handler=handler, debug=self.debug)
+        await middleware(scope, receive, sent_already if started else send)
+
+
+async def _refusal(state: AppState, scope: dict[str, Any], limit: int) -> Response | None:
+    """The problem answer to a request refused here (no key, over its rate limit, too large), or None."""
+    try:
+        if needs_key(scope["path"]):
+            scope[CALLER] = caller = await authenticate(state, scope)
+            await state.limiter.take(caller.id)
+        length = content_length(scope)
+        if length is not None and length > limit:
+            raise PayloadTooLarge(f"the request body has {length} bytes; this service accepts at most {limit}")
+    except Exception as e:
+        error = e if isinstance(e, CkptconvError) else as_error(e, scope["method"], scope["path"])
+        return problem_response(error, scope["path"], method=scope["method"])
+    return None
 
 
 def _bounded(receive: Any, limit: int) -> Any:

@@ -12,7 +12,8 @@ same pydantic adapter, called as FastAPI calls it), and the job is created by th
 (``service.routes.jobs.submit``): both ways give the same responses.
 
 ``service.edges`` calls :meth:`HotPaths.handler` after it authenticated the request, took it from
-the key's rate limit and checked its ``Content-Length`` (so the body limit holds here too).
+the key's rate limit and checked its ``Content-Length`` (so the body limit holds here too), and
+sends what the handler answers (see :data:`Answer`).
 """
 
 from __future__ import annotations
@@ -24,22 +25,36 @@ from typing import Any
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
+from starlette.responses import Response
 
 from ckptconv.core.errors import CkptconvError
 from service.deps import CALLER
 from service.problems import handle
 from service.routes import jobs
-from service.routes.jobs import job_document, submit
+from service.routes.jobs import create, job_document
 
 JOBS = "/v1/jobs"
 JOB_PREFIX = "/v1/jobs/"
 MAX_IDEMPOTENCY_KEY = 255  # service.deps.IdempotencyKey's max_length; longer ones are FastAPI's 422
-
-ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
-Handler = Callable[[dict[str, Any], Any, Any, ASGIApp], Awaitable[None]]
 # What the FastAPI app's exception middleware answers; anything else goes on up, as it does from a
-# route, to Starlette's server-error middleware (which answers through the same handler and logs it).
+# route, to the server-error handling (service.edges: the same handler, and the error is logged).
 HANDLED = (CkptconvError, HTTPException)
+
+
+class Handover:
+    """An answer that leaves the request to the FastAPI route, whose body it reads from ``receive``."""
+
+    __slots__ = ("receive",)
+
+    def __init__(self, receive: Any) -> None:
+        self.receive = receive
+
+
+# A JSON document as (status, headers, body): sent as raw ASGI messages, with the headers a Starlette
+# Response adds (content-length, content-type) after ``headers``; a Starlette Response, sent as it is;
+# or a Handover.
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes] | Response | Handover
+Handler = Callable[[dict[str, Any], Any], Awaitable[Answer]]
 
 
 class HotPaths:
@@ -58,16 +73,15 @@ class HotPaths:
                 return self._status
         return None
 
-    async def _status(self, scope: dict[str, Any], receive: Any, send: Any, app: ASGIApp) -> None:
+    async def _status(self, scope: dict[str, Any], receive: Any) -> Answer:
         state = scope["app"].state.ckptconv
         try:
             body = await job_document(state, scope[CALLER], scope["path"][len(JOB_PREFIX) :])
         except HANDLED as e:
-            await _problem(e, scope, receive, send)
-            return
-        await _send(send, 200, body, [])
+            return await _problem(e, scope)
+        return 200, [], body
 
-    async def _submit(self, scope: dict[str, Any], receive: Any, send: Any, app: ASGIApp) -> None:
+    async def _submit(self, scope: dict[str, Any], receive: Any) -> Answer:
         content_type = idempotency_key = None
         for name, value in scope["headers"]:
             if name == b"content-type" and content_type is None:
@@ -78,8 +92,7 @@ class HotPaths:
         if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
             usual = False
         if not usual:
-            await app(scope, receive, send)
-            return
+            return Handover(receive)
         messages: list[dict[str, Any]] = []
         chunks: list[bytes] = []
         try:
@@ -87,14 +100,12 @@ class HotPaths:
                 message = await receive()  # service.edges bounds it: HTTPException 413 past the limit
                 messages.append(message)
                 if message["type"] != "http.request":
-                    await app(scope, _replay(messages, receive), send)  # the client left: as FastAPI does
-                    return
+                    return Handover(_replay(messages, receive))  # the client left: as FastAPI does
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
         except HTTPException as e:
-            await _problem(e, scope, receive, send)
-            return
+            return await _problem(e, scope)
         raw = b"".join(chunks)
         body = None
         if raw:
@@ -107,16 +118,18 @@ class HotPaths:
                 if errors:
                     body = None
         if body is None:  # FastAPI answers (its own 400 or 422, exactly)
-            await app(scope, _replay(messages, receive), send)
-            return
+            return Handover(_replay(messages, receive))
         state = scope["app"].state.ckptconv
         key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
         try:
-            response = await submit(state, scope[CALLER], body, key)
+            created = await create(state, scope[CALLER], body, key)
         except HANDLED as e:
-            await _problem(e, scope, receive, send)
-            return
-        await response(scope, receive, send)
+            return await _problem(e, scope)
+        if isinstance(created, Response):  # an Idempotency-Key's first response, replayed
+            return created
+        job_id, document = created
+        # What service.routes.jobs.submit answers; Starlette encodes header values as latin-1.
+        return 202, [(b"location", (JOB_PREFIX + job_id).encode("latin-1"))], document
 
 
 def _is_plain_json(content_type: bytes) -> bool:
@@ -137,15 +150,6 @@ def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
     return replay
 
 
-async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    # The headers Starlette's Response sends, in its order.
-    headers.append((b"content-length", str(len(body)).encode()))
-    headers.append((b"content-type", b"application/json"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _problem(exc: Exception, scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _problem(exc: Exception, scope: dict[str, Any]) -> Response:
     """What the exception middleware answers for ``exc`` on the FastAPI route."""
-    response = await handle(Request(scope), exc)
-    await response(scope, receive, send)
+    return await handle(Request(scope), exc)

@@ -2,14 +2,17 @@
 
 A body sent as ``application/json`` takes the short way; the same body sent as
 ``application/vnd.ckptconv+json`` (JSON to FastAPI, not the usual shape to service.hot) is answered
-by the FastAPI route. Every request below goes both ways and the answers are compared.
+by the FastAPI route. Every request below goes both ways and the answers are compared. The short
+way runs in front of FastAPI's middleware (service.edges), so its server errors are compared too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +26,7 @@ from ckptconv.core.job_records import job_resource
 from ckptconv.core.jobstore import JobStore, RedisKeys
 from ckptconv.core.settings import Settings
 from service.app import create_app
+from service.deps import AppState
 
 SHORT = "application/json"
 ROUTE = "application/vnd.ckptconv+json"
@@ -37,7 +41,9 @@ def api(redis_url: str, s3_server: str, tmp_path: Path) -> Iterator[SimpleNamesp
     key, _ = create_key(r, keys, "team-a", ["s3://bucket/team-a/", f"{tmp_path}/"])
     try:
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-            yield SimpleNamespace(client=client, auth={"Authorization": f"Bearer {key}"}, redis=r, keys=keys)
+            yield SimpleNamespace(
+                client=client, auth={"Authorization": f"Bearer {key}"}, redis=r, keys=keys, settings=settings
+            )
     finally:
         drop_prefix(r, prefix)
 
@@ -70,6 +76,9 @@ def test_a_job_is_created_alike_both_ways(api, tmp_path: Path) -> None:
     route = post(api, ROUTE, encode(job_body(11, **extra)))
     assert short.status_code == route.status_code == 202
     assert short.headers["content-type"] == route.headers["content-type"] == "application/json"
+    # The same headers, in the same order (the short way sends raw ASGI messages, the route a Response).
+    assert [name for name, _ in short.headers.raw] == [name for name, _ in route.headers.raw]
+    assert short.headers["content-length"] == str(len(short.content))
     one, other = short.json(), route.json()
     assert (
         short.headers["location"] == f"/v1/jobs/{one['id']}" and route.headers["location"] == f"/v1/jobs/{other['id']}"
@@ -180,3 +189,55 @@ def test_get_answers_the_job_or_404(api) -> None:
         after = api.client.get(f"/v1/jobs/{job['id']}", headers=api.auth).json()
         assert after != before and after == job_resource(store.get(job["id"]))
     assert after["progress"] == progress and after["attempts"] == 3 and after["state"] == "cancelled"
+
+
+def test_an_unhandled_error_is_the_same_logged_500_both_ways(api, monkeypatch, caplog) -> None:
+    async def boom(*args: object) -> None:
+        raise RuntimeError("the bug's own words")
+
+    monkeypatch.setattr("service.hot.create", boom)  # the short way
+    monkeypatch.setattr("service.routes.jobs.create", boom)  # the route (submit)
+    with caplog.at_level(logging.ERROR, logger="ckptconv.api"):
+        short, route = both(api, encode(job_body(5)))
+    docs = []
+    for r in (short, route):
+        doc = assert_problem(r, 500, "internal_error")
+        assert r.headers["correlation-id"] == doc["correlation_id"] and "the bug's own words" not in r.text
+        logged = [rec for rec in caplog.records if doc["correlation_id"] in rec.getMessage()]
+        assert len(logged) == 1 and "POST /v1/jobs" in logged[0].getMessage()
+        assert logged[0].exc_info and "the bug's own words" in str(logged[0].exc_info[1])
+        docs.append({k: v for k, v in doc.items() if k not in ("correlation_id", "detail")})
+    assert docs[0] == docs[1]
+    assert [name for name, _ in short.headers.raw] == [name for name, _ in route.headers.raw]
+
+    # The status path too, and the error goes on to the server (which logs it), as from a route.
+    monkeypatch.setattr("service.hot.job_document", boom)
+    doc = assert_problem(api.client.get("/v1/jobs/job_1", headers=api.auth), 500, "internal_error")
+    assert doc["instance"] == "/v1/jobs/job_1"
+    with TestClient(create_app(api.settings)) as raising:
+        for content_type in (SHORT, ROUTE):
+            with pytest.raises(RuntimeError, match="the bug's own words"):
+                headers = {**api.auth, "Content-Type": content_type}
+                raising.post("/v1/jobs", content=encode(job_body(6)), headers=headers)
+        with pytest.raises(RuntimeError, match="the bug's own words"):
+            raising.get("/v1/jobs/job_1", headers=api.auth)
+
+
+def test_lifespan_events_reach_fastapi(redis_url: str) -> None:
+    prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    app = create_app(Settings(environment="development", redis_url=redis_url, redis_prefix=prefix))
+    events = []
+    lifespan = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def observed(app_: object) -> AsyncIterator[None]:
+        async with lifespan(app_):
+            events.append("startup")
+            yield
+        events.append("shutdown")
+
+    app.router.lifespan_context = observed
+    with TestClient(app) as client:
+        assert events == ["startup"] and isinstance(app.state.ckptconv, AppState)
+        assert client.get("/v1/formats").status_code == 200
+    assert events == ["startup", "shutdown"]

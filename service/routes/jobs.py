@@ -74,7 +74,21 @@ async def create_job(body: JobRequest, request: Request, idempotency_key: Idempo
 
 
 async def submit(state: AppState, caller: Principal, body: Any, idempotency_key: str | None) -> Response:
-    """Create the job of a validated request (``create_job``; also served by ``service.hot``)."""
+    """``create_job``'s answer to a validated request: 202 with the new job, or a replayed response."""
+    created = await create(state, caller, body, idempotency_key)
+    if isinstance(created, Response):
+        return created
+    job_id, document = created
+    return Response(
+        document, status_code=202, media_type="application/json", headers={"Location": f"/v1/jobs/{job_id}"}
+    )
+
+
+async def create(
+    state: AppState, caller: Principal, body: Any, idempotency_key: str | None
+) -> tuple[str, bytes] | Response:
+    """Create the job of a validated request: its id and its document (JSON), or the response an
+    ``Idempotency-Key`` seen before replays (``submit``; ``service.hot`` sends the pair itself)."""
     settings = state.settings
     kind = get_kind(body.kind)
     source, target_doc = scoped_refs(caller, body)
@@ -135,9 +149,7 @@ async def submit(state: AppState, caller: Principal, body: Any, idempotency_key:
         raise TargetTaken(f"another job{mine} is writing {target_doc['uri'] if target_doc else 'this target'}")
     if outcome[0] != "created":
         return replay(outcome, fp)
-    return Response(
-        response_body, status_code=202, media_type="application/json", headers={"Location": f"/v1/jobs/{job_id}"}
-    )
+    return job_id, response_body
 
 
 @router.get("/jobs/{job_id}", response_model=Job, summary="Get a job", responses=problem_responses(401, 404, 503))
