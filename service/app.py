@@ -76,7 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: EdgesFirst) -> AsyncIterator[None]:
         import redis.asyncio
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
@@ -103,7 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         blocking = client(settings.redis_blocking_connections)
         keys = RedisKeys(settings.redis_prefix, settings.broker_prefix)
         file_keys = load_keys_file(settings.api_keys_file) if settings.api_keys_file else {}
-        app.state.ckptconv = AppState(
+        app.state.ckptconv = app.ckptconv = AppState(
             settings=settings,
             redis=short,
             keys=keys,

@@ -57,6 +57,10 @@ class EdgesFirst(FastAPI):
     def __init__(self, *, hot: HotPaths | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.hot = hot
+        # The application's state, set by the lifespan with ``app.state.ckptconv`` (which the routes
+        # read): a plain attribute here, as Starlette's State finds its entries in its __getattr__,
+        # after an AttributeError, which cost more than the rest of the checks of a cached key.
+        self.ckptconv: AppState | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan events (and websockets, of which there are none)
@@ -64,10 +68,10 @@ class EdgesFirst(FastAPI):
             return
         if self.root_path:  # as FastAPI sets it
             scope["root_path"] = self.root_path
-        scope["app"] = self  # as Starlette sets it: service.hot and the problem handler read it
+        scope["app"] = self  # as Starlette sets it (a Request's app: the problem handler reads it)
         started = False
         try:
-            state: AppState = self.state.ckptconv
+            state: AppState = self.ckptconv  # type: ignore[assignment]  # None before startup: a 500 below
             limit = state.settings.max_body_bytes
             receive = _bounded(receive, limit)
             answer = await _refusal(state, scope, limit)
@@ -76,7 +80,7 @@ class EdgesFirst(FastAPI):
                 if handler is None:
                     answer = Handover(receive)
                 else:
-                    answer = await handler(scope, receive)
+                    answer = await handler(state, scope, receive)
             if type(answer) is tuple:
                 status, headers, body = answer
                 # The headers Starlette's Response sends, in its order.

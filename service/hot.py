@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ckptconv.core.errors import CkptconvError
-from service.deps import CALLER
+from service.deps import CALLER, AppState
 from service.problems import handle
 from service.routes import jobs
 from service.routes.jobs import create, job_document
@@ -54,7 +54,7 @@ class Handover:
 # Response adds (content-length, content-type) after ``headers``; a Starlette Response, sent as it is;
 # or a Handover.
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes] | Response | Handover
-Handler = Callable[[dict[str, Any], Any], Awaitable[Answer]]
+Handler = Callable[[AppState, dict[str, Any], Any], Awaitable[Answer]]
 
 
 class HotPaths:
@@ -73,15 +73,14 @@ class HotPaths:
                 return self._status
         return None
 
-    async def _status(self, scope: dict[str, Any], receive: Any) -> Answer:
-        state = scope["app"].state.ckptconv
+    async def _status(self, state: AppState, scope: dict[str, Any], receive: Any) -> Answer:
         try:
             body = await job_document(state, scope[CALLER], scope["path"][len(JOB_PREFIX) :])
         except HANDLED as e:
             return await _problem(e, scope)
         return 200, [], body
 
-    async def _submit(self, scope: dict[str, Any], receive: Any) -> Answer:
+    async def _submit(self, state: AppState, scope: dict[str, Any], receive: Any) -> Answer:
         content_type = idempotency_key = None
         for name, value in scope["headers"]:
             if name == b"content-type" and content_type is None:
@@ -119,7 +118,6 @@ class HotPaths:
                     body = None
         if body is None:  # FastAPI answers (its own 400 or 422, exactly)
             return Handover(_replay(messages, receive))
-        state = scope["app"].state.ckptconv
         key = idempotency_key.decode("latin-1") if idempotency_key is not None else None
         try:
             created = await create(state, scope[CALLER], body, key)

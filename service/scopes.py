@@ -34,7 +34,7 @@ def check_staging(caller: Principal, target: str) -> None:
     area itself, links included, whatever this early answer says."""
     prefixes = caller.scopes.prefixes
     staging = staging_root(target)
-    if prefixes is not None and not any(staging.startswith(p) for p in prefixes):
+    if prefixes is not None and not staging.startswith(prefixes):
         raise Forbidden(
             f"a job writes its staging area beside its target, in {staging}, which this API key may not access",
             hint="name a target inside one of the key's prefixes (a file or directory below it), not the prefix itself",

@@ -86,7 +86,7 @@ def canonical_uri(uri: str) -> str:
                 f"relative path {uri!r}: the service needs absolute paths (or s3:// URIs)",
                 hint="write local locations as /absolute/path or file:///absolute/path",
             )
-        if any(seg == ".." for seg in path.split("/")):
+        if ".." in path.split("/"):
             raise PathEscape(f"path has a '..' segment: {uri!r}", uri=uri)
         normal = os.path.normpath(path)
         if normal.startswith("//"):  # POSIX leaves a leading '//' implementation-defined
@@ -161,11 +161,12 @@ class Scopes:
         """:meth:`check` of a URI already in canonical form (as :func:`canonical_uri` returns it)."""
         if self.prefixes is None:
             return canonical
-        if not any(canonical.startswith(p) for p in self.prefixes):
+        # str.startswith with a tuple: any() over a generator cost more than the comparisons (hot path).
+        if not canonical.startswith(self.prefixes):
             raise self._forbidden(canonical)
         if canonical.startswith("/"):  # a local path
             real = resolved_path(canonical)
-            if not any((real + "/").startswith(self._realpath(p)) for p in self.prefixes):
+            if not (real + "/").startswith(tuple(map(self._realpath, self.prefixes))):
                 raise self._forbidden(canonical, f"it resolves through a symlink to {real}")
         return canonical
 
@@ -180,7 +181,7 @@ class Scopes:
         if scheme_of(prefix) == "file" and not os.path.isabs(local_path_of(prefix)):
             raise self._forbidden(prefix, "a relative path is resolved on the worker, outside every prefix")
         canonical = canonical_uri(prefix)
-        if any(canonical.startswith(p) for p in self.prefixes):
+        if canonical.startswith(self.prefixes):
             return [prefix]
         # Local listings keep the caller's spelling (file:// or a path) so results start with its prefix.
         local = scheme_of(canonical) == "file"
