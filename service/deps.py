@@ -92,9 +92,14 @@ IdempotencyKey = Annotated[
 ]
 
 
+# json.dumps(..., sort_keys=True, separators=(",", ":"), default=str), without a JSONEncoder built per
+# call. The text is stored with each Idempotency-Key: it must not change.
+_FINGERPRINT_ENCODE = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str).encode
+
+
 def fingerprint(method: str, path: str, body: Any) -> str:
     """What makes two requests "the same" for Idempotency-Key: method, path and the validated body."""
-    doc = json.dumps([method, path, body], sort_keys=True, separators=(",", ":"), default=str)
+    doc = _FINGERPRINT_ENCODE([method, path, body])
     return hashlib.sha256(doc.encode()).hexdigest()
 
 

@@ -129,5 +129,8 @@ def time_limits(max_runtime_seconds: int) -> dict[str, float]:
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps builds one per call otherwise
+
+
 def _body(body: tuple[Any, ...]) -> str:
-    return base64.b64encode(json.dumps(list(body), separators=(",", ":")).encode()).decode()
+    return base64.b64encode(_ENCODE(list(body)).encode()).decode()

@@ -23,6 +23,11 @@ EVENTS_MAXLEN = 500
 DURATION_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
 
 
+# json.dumps(..., separators=(",", ":"), sort_keys=True) without a JSONEncoder built per call (the
+# API creates a record per submission).
+_ENCODE_SORTED = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -128,7 +133,7 @@ def new_record(
         "scopes": json.dumps(scopes),
         "kind": kind,
         "state": "queued",
-        "request": json.dumps(request, separators=(",", ":"), sort_keys=True),
+        "request": _ENCODE_SORTED(request),
         "created_ms": str(created),
         "updated_ms": str(created),
         "attempts": "0",
