@@ -166,23 +166,26 @@ async def get_job(job_id: JobId, request: Request) -> Response:
 async def job_document(state: AppState, caller: Principal, job_id: str) -> bytes:
     """The job resource of ``get_job`` as JSON (also served by ``service.hot``)."""
     rec = await _owned(state, caller, job_id)
-    # A job is polled: between two changes of its record every read renders the same document. The
-    # key is the whole record as read (every field, name and value), so a change is never missed.
-    key = tuple(rec.items())
-    doc = _documents.get(key)
-    if doc is None:
-        doc = _json(job_resource(rec))
-        if len(doc) <= DOCUMENT_CACHE_MAX_BYTES:
-            if len(_documents) >= DOCUMENT_CACHE_ENTRIES:
-                _documents.clear()
-            _documents[key] = doc
+    # A job is polled: between two changes of its record every read renders the same document. A
+    # document is kept with the whole record it was rendered from (every field, name and value) and
+    # served while a read finds that record again, so a change is never missed. The records are
+    # compared, not hashed: a read's strings are new, and hashing them all (the record as a key)
+    # cost more than comparing them with the kept ones.
+    kept = _documents.get(job_id)
+    if kept is not None and kept[0] == rec:
+        return kept[1]
+    doc = _json(job_resource(rec))
+    if len(doc) <= DOCUMENT_CACHE_MAX_BYTES:
+        if len(_documents) >= DOCUMENT_CACHE_ENTRIES and job_id not in _documents:
+            _documents.clear()
+        _documents[job_id] = (rec, doc)
     return doc
 
 
-# Job documents rendered lately, by the record they were rendered from (see job_document).
+# Job documents rendered lately, by job id, with the record each was rendered from (see job_document).
 DOCUMENT_CACHE_ENTRIES = 512
 DOCUMENT_CACHE_MAX_BYTES = 16 * 1024
-_documents: dict[tuple[tuple[str, str], ...], bytes] = {}
+_documents: dict[str, tuple[dict[str, str], bytes]] = {}
 
 
 @router.get(
