@@ -254,3 +254,62 @@ def test_concurrent_conversions_do_not_share_staging(tmp_path: Path) -> None:
         for i in range(4):
             assert_same(read_all(src), read_all(str(tmp_path / f"out{rnd}-{i}.mdl")))
     assert not (tmp_path / STAGING_DIR).exists()
+
+
+def test_a_raw_tensor_digests_as_its_torch_tensor() -> None:
+    from ckptconv.engine.execute import value_digest, value_nbytes
+    from ckptconv.formats.base import RawTensor, as_torch
+
+    for t in [*_state_dict().values(), torch.empty(0, 3, dtype=torch.bfloat16)]:
+        raw = RawTensor(t.contiguous().reshape(-1).view(torch.uint8).numpy(), str(t.dtype)[6:], tuple(t.shape))
+        assert value_digest(raw) == value_digest(t)
+        assert value_nbytes(raw) == value_nbytes(t)
+        back = as_torch(raw)
+        assert back.dtype == t.dtype and torch.equal(back, t)
+
+
+@pytest.mark.parametrize(("src_fmt", "dst_fmt"), [("safetensors", "cs-h5"), ("cs-h5", "safetensors")])
+def test_tensors_read_as_bytes_write_the_same_files_as_torch_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, src_fmt: str, dst_fmt: str
+) -> None:
+    src = write_source(tmp_path, src_fmt)
+    name = "out.mdl" if dst_fmt == "cs-h5" else "out"
+    raw = convert(src, str(tmp_path / "raw" / name), to=dst_fmt)
+    # The same sink refusing raw tensors: the source reads torch tensors, as other sinks get them.
+    monkeypatch.setattr(sink_class(dst_fmt), "accepts_raw", False)
+    tensors = convert(src, str(tmp_path / "torch" / name), to=dst_fmt)
+    assert raw.verify["ok"] and tensors.verify["ok"]
+    assert raw.verify["entries_checked"] == tensors.verify["entries_checked"] == len(_state_dict())
+    files = sorted(p.relative_to(tmp_path / "raw") for p in (tmp_path / "raw").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "torch") for p in (tmp_path / "torch").rglob("*") if p.is_file())
+    for rel in files:
+        if rel.name.endswith("manifest.json"):  # timings and paths differ
+            continue
+        assert (tmp_path / "raw" / rel).read_bytes() == (tmp_path / "torch" / rel).read_bytes(), rel
+
+
+def test_a_conversion_that_only_moves_bytes_never_imports_torch(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    src = write_source(tmp_path, "safetensors")
+    root = Path(__file__).resolve().parent.parent
+    script = (
+        "import sys\n"
+        "from ckptconv.engine.convert import convert\n"
+        "a = convert(sys.argv[1], sys.argv[2], to='cs-h5')\n"
+        "b = convert(sys.argv[2], sys.argv[3], to='safetensors')\n"
+        "assert a.verify['ok'] and b.verify['ok'], (a.verify, b.verify)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, src, str(tmp_path / "a.mdl"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert out.stdout.strip() == "False", out.stderr
+    assert_same(read_all(src), read_all(str(tmp_path / "b"), "safetensors"))

@@ -14,6 +14,7 @@ reopens what the sink wrote and compares every entry against the written hashes 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import xxhash
 from ckptconv.core.errors import Cancelled, CkptconvError, VerificationFailed
 from ckptconv.engine.plan import IDENTITY, Plan
 from ckptconv.engine.prefetch import Prefetcher
-from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, TensorSource
+from ckptconv.formats.base import Entry, OpaqueObject, RawTensor, TensorSink, TensorSource, as_torch, value_dtype
 from ckptconv.formats.links import link_root
 from ckptconv.formats.memory import POOL
 
@@ -112,10 +113,15 @@ class ProgressReporter:
 
 
 def value_digest(value: Any) -> str:
-    """A digest of one value as a checkpoint stores it: raw bytes for tensors, payload for objects."""
-    import torch
+    """A digest of one value as a checkpoint stores it: raw bytes for tensors, payload for objects.
 
-    if isinstance(value, torch.Tensor):
+    A :class:`RawTensor` digests as its torch tensor does (same bytes, same dtype and shape text)."""
+    if isinstance(value, RawTensor):
+        h = xxhash.xxh3_128(value.data)
+        h.update(f"|torch.{value.dtype}|{value.shape}".encode())
+        return h.hexdigest()
+    torch = sys.modules.get("torch")  # a torch tensor means torch is loaded; nothing else needs it
+    if torch is not None and isinstance(value, torch.Tensor):
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -152,9 +158,10 @@ def _canonical_repr(value: Any) -> str:
 
 
 def value_nbytes(value: Any) -> int:
-    import torch
-
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, RawTensor):
+        return value.nbytes
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, OpaqueObject):
         return len(value.payload)
@@ -212,63 +219,74 @@ def execute(
         if read_digests is not None:
             read_digests[key] = value_digest(value)
 
-    # Idle tensor buffers are the estimate's second largest value (formats/memory.py).
-    with POOL.capped(max(largest, plan.largest_entry_bytes())):
-        fetcher = (
-            Prefetcher(
-                source,
-                order,
-                src_sizes,
-                budget,
-                workers=source.read_parallelism if parallel_reads else 1,
-                on_read=hashed_as_read,
+    # A sink that takes tensors as bytes gets them so from a source that can read them so: a
+    # conversion that only moves bytes never imports torch. A transform gets torch tensors.
+    raw_before = source.raw_reads
+    source.raw_reads = sink.accepts_raw
+
+    try:
+        # Idle tensor buffers are the estimate's second largest value (formats/memory.py).
+        with POOL.capped(max(largest, plan.largest_entry_bytes())):
+            fetcher = (
+                Prefetcher(
+                    source,
+                    order,
+                    src_sizes,
+                    budget,
+                    workers=source.read_parallelism if parallel_reads else 1,
+                    on_read=hashed_as_read,
+                )
+                if prefetch and order
+                else None
             )
-            if prefetch and order
-            else None
-        )
-        cache: dict[str, Any] = {}
-        digests: dict[str, str] = {}
-        reporter.stage("converting", plan.tensors_total, plan.bytes_total)
-        try:
-            for step in plan.steps:
-                if cancelled is not None and cancelled():
-                    raise Cancelled("cancelled by request; nothing was published")
-                out = step.out
-                if out.kind == "link":
-                    continue
-                if not step.inputs:
-                    value = out.value
-                else:
-                    values = []
+            cache: dict[str, Any] = {}
+            digests: dict[str, str] = {}
+            reporter.stage("converting", plan.tensors_total, plan.bytes_total)
+            try:
+                for step in plan.steps:
+                    if cancelled is not None and cancelled():
+                        raise Cancelled("cancelled by request; nothing was published")
+                    out = step.out
+                    if out.kind == "link":
+                        continue
+                    if not step.inputs:
+                        value = out.value
+                    else:
+                        values = []
+                        for k in step.inputs:
+                            if k not in cache:
+                                if fetcher:
+                                    cache[k] = fetcher.get(k)
+                                else:
+                                    cache[k] = source.read(k)
+                                    if read_digests is not None:
+                                        read_digests[k] = value_digest(cache[k])
+                            values.append(cache[k])
+                        if step.transform is None or step.transform is IDENTITY:
+                            value = values[0]
+                        else:
+                            value = step.transform([as_torch(v) for v in values])
+                        del values
+                    check_produced(out, value)
+                    sink.write(out.key, value)
+                    # After the write: a sink that changed the value in place shows in the digest.
+                    digests[out.key] = value_digest(value)
+                    if out.is_data:
+                        reporter.advance(1, out.nbytes)
+                    del value
                     for k in step.inputs:
-                        if k not in cache:
+                        uses[k] -= 1
+                        if uses[k] == 0:
+                            cache.pop(k, None)
                             if fetcher:
-                                cache[k] = fetcher.get(k)
-                            else:
-                                cache[k] = source.read(k)
-                                if read_digests is not None:
-                                    read_digests[k] = value_digest(cache[k])
-                        values.append(cache[k])
-                    value = (step.transform or IDENTITY)(values)
-                    del values
-                check_produced(out, value)
-                sink.write(out.key, value)
-                # After the write: a sink that changed the value in place shows in the digest.
-                digests[out.key] = value_digest(value)
-                if out.is_data:
-                    reporter.advance(1, out.nbytes)
-                del value
-                for k in step.inputs:
-                    uses[k] -= 1
-                    if uses[k] == 0:
-                        cache.pop(k, None)
-                        if fetcher:
-                            fetcher.release(k)
-            reporter.finish()
-        finally:
-            cache.clear()
-            if fetcher:
-                fetcher.stop()
+                                fetcher.release(k)
+                reporter.finish()
+            finally:
+                cache.clear()
+                if fetcher:
+                    fetcher.stop()
+    finally:
+        source.raw_reads = raw_before
     return digests
 
 
@@ -276,11 +294,11 @@ def check_produced(out: Entry, value: Any) -> None:
     """A transform must produce exactly the entry the plan announced (the sink's header depends on it)."""
     if out.kind not in ("tensor", "array"):
         return
-    import torch
-
-    if not isinstance(value, torch.Tensor):
-        raise VerificationFailed(f"{out.key}: the plan announced a tensor but {type(value).__name__} was produced")
-    dtype = str(value.dtype).removeprefix("torch.")
+    if not isinstance(value, RawTensor):
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(value, torch.Tensor):
+            raise VerificationFailed(f"{out.key}: the plan announced a tensor but {type(value).__name__} was produced")
+    dtype = value_dtype(value)
     if dtype != out.dtype or tuple(value.shape) != tuple(out.shape or ()):
         raise VerificationFailed(
             f"{out.key}: produced {dtype}{list(value.shape)} but the plan announced {out.dtype}{list(out.shape or ())}"

@@ -20,7 +20,9 @@ Call order and guarantees:
 Values in flight:
 
 - ``tensor`` and ``array`` entries travel as CPU ``torch.Tensor`` (``array`` marks a value that was
-  a numpy array in its source, which Cerebras H5 keeps distinct);
+  a numpy array in its source, which Cerebras H5 keeps distinct), or as :class:`RawTensor` (its
+  bytes, dtype and shape) when the reader asked the source for them (``TensorSource.raw_reads``)
+  and hands them only to sinks that take them (``TensorSink.accepts_raw``);
 - ``value`` entries are plain Python scalars, strings or None, known from metadata
   (``Entry.value``);
 - ``object`` entries are :class:`OpaqueObject` (bytes a source could not or would not decode);
@@ -40,6 +42,7 @@ from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype
 from ckptconv.storage.base import streaming_buffer_bytes
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ckptconv.formats.layout import FileLayout
@@ -60,6 +63,48 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
+
+
+class RawTensor:
+    """A tensor as its bytes: ``data`` (a 1-D uint8 numpy array, C order, little-endian), the
+    ckptconv ``dtype`` name and the ``shape``.
+
+    Why: a conversion that only moves bytes (safetensors <-> Cerebras H5, keys renamed or not)
+    has no use for torch, whose import costs about 2 s of CPU in every process, before the first
+    byte moves. Sources that can return these when asked (``TensorSource.raw_reads``); sinks that
+    take them say so (``TensorSink.accepts_raw``); :meth:`torch` is the same memory as a tensor for
+    everything else (a transform, a sink that needs torch).
+    """
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
+        self.data = data
+        self.dtype = dtype
+        self.shape = tuple(int(d) for d in shape)  # plain ints: the shape is part of the value's digest
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def torch(self) -> torch.Tensor:
+        """The tensor over the same memory (it keeps ``data`` alive)."""
+        import torch
+
+        tdtype = torch_dtype(self.dtype)
+        if self.data.size == 0:
+            return torch.empty(self.shape, dtype=tdtype)
+        return torch.from_numpy(self.data).view(tdtype).view(self.shape)
+
+
+def as_torch(value: Any) -> Any:
+    """``value``, with a :class:`RawTensor` turned into its torch tensor (same memory)."""
+    return value.torch() if isinstance(value, RawTensor) else value
+
+
+def value_dtype(value: Any) -> str:
+    """The ckptconv dtype name of a tensor value (``torch.Tensor`` or :class:`RawTensor`)."""
+    return value.dtype if isinstance(value, RawTensor) else dtype_name(value.dtype)
 
 
 @dataclass(frozen=True)
@@ -129,6 +174,10 @@ class TensorSource(abc.ABC):
     #: what their storage serves well (``Storage.read_parallelism``); the executor reads that many
     #: values ahead within its memory budget.
     read_parallelism: int = 1
+    #: Set by a reader whose sink takes :class:`RawTensor` values: a source that can then returns
+    #: its tensors as RawTensor, without importing torch. Only the formats that read tensors as
+    #: plain bytes look at it; the others return ``torch.Tensor`` whatever it says.
+    raw_reads: bool = False
 
     def __init__(self, storage: Storage, uri: str) -> None:
         self.storage = storage
@@ -191,6 +240,8 @@ class TensorSink(abc.ABC):
     supports_links: bool = False
     supports_objects: bool = True
     supported_dtypes: frozenset[str] | None = None  # None: every dtype in DTYPE_SIZES
+    #: ``write`` takes tensors as :class:`RawTensor` as well as ``torch.Tensor``.
+    accepts_raw: bool = False
 
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         self.storage = storage

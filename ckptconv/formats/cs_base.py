@@ -20,7 +20,7 @@ from ckptconv.core.dtypes import is_float_dtype
 from ckptconv.core.errors import CorruptCheckpoint, KeyCollision, UnsupportedDtype, UnsupportedValue
 from ckptconv.core.releases import release_name
 from ckptconv.formats import restricted_pickle
-from ckptconv.formats.base import Entry, OpaqueObject, TensorSink, dtype_name, torch_dtype
+from ckptconv.formats.base import Entry, OpaqueObject, RawTensor, TensorSink, dtype_name, torch_dtype
 from ckptconv.formats.cs_serializers import (
     ARRAY_DTYPES,
     DEFAULT_CSTORCH_VERSION,
@@ -113,6 +113,7 @@ class CerebrasSink(TensorSink):
 
     supports_links = True
     supports_objects = True
+    accepts_raw = True
 
     def __init__(self, storage: Any, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
@@ -197,9 +198,18 @@ class CerebrasSink(TensorSink):
 
     def _numeric(self, entry: Entry, value: Any) -> tuple[str, np.ndarray]:
         """The C-ordered on-disk array of a tensor (bf16 as its int16 bits)."""
+        key = entry.key
+        if isinstance(value, RawTensor):
+            if value.dtype != entry.dtype or value.shape != tuple(entry.shape or ()):
+                raise UnsupportedValue(
+                    f"{key!r}: got a {value.dtype} tensor of shape {value.shape},"
+                    f" announced {entry.dtype} {entry.shape}",
+                    key=key,
+                )
+            self.check([entry])
+            return value.dtype, value.data.view(np.dtype(stored_numpy_dtype(value.dtype))).reshape(value.shape)
         import torch
 
-        key = entry.key
         if not isinstance(value, torch.Tensor):
             raise UnsupportedValue(f"{key!r}: expected a tensor, got {type(value).__name__}", key=key)
         t = value.detach()

@@ -233,16 +233,16 @@ class CsH5Source(TensorSource):
             return self._read_entry(follow_link(self._by_key, entry))
 
     def _read_entry(self, entry: Entry) -> Any:
-        import torch
-
         if entry.kind == "value":
             return entry.value
         if "fill_value" in entry.meta:
             return full_tensor(entry)
         ds = self.h5.dataset(entry.meta["dataset"], entry.key)
         if entry.kind == "tensor":
-            return self.h5.read_tensor(ds, entry.key, entry.dtype, entry.shape)
+            return self.h5.read_tensor(ds, entry.key, entry.dtype, entry.shape, raw=self.raw_reads)
         if entry.kind == "array":
+            import torch
+
             arr = self.h5.read_array(ds, entry.key)
             if entry.dtype == "bfloat16":
                 return torch.from_numpy(np.ascontiguousarray(arr.astype(np.int16))).view(torch.bfloat16)

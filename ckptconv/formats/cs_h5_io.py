@@ -27,12 +27,13 @@ from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpo
 from ckptconv.formats.cs_base import cast_array
 from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, stored_chunks
 from ckptconv.formats.cs_serializers import stored_numpy_dtype
-from ckptconv.formats.memory import empty_tensor
+from ckptconv.formats.memory import empty_raw, empty_tensor
 from ckptconv.storage.base import RangeReader
 
 if TYPE_CHECKING:
     import torch
 
+    from ckptconv.formats.base import RawTensor
     from ckptconv.storage.base import Storage
 
 
@@ -205,10 +206,12 @@ class H5File:
 
     # --- data -----------------------------------------------------------------------------------
 
-    def read_tensor(self, ds: h5py.Dataset, key: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The dataset as a CPU tensor of ``dtype``: bf16 from its int16 bits, other types value-cast (§1.7)."""
-        import torch
+    def read_tensor(
+        self, ds: h5py.Dataset, key: str, dtype: str, shape: tuple[int, ...], *, raw: bool = False
+    ) -> torch.Tensor | RawTensor:
+        """The dataset as a CPU tensor of ``dtype``: bf16 from its int16 bits, other types value-cast (§1.7).
 
+        ``raw``: a :class:`RawTensor` when the stored bits are the tensor's (no cast), without torch."""
         if ds.shape is None:
             raise CorruptCheckpoint(f"{key!r}: dataset holds no array (empty dataspace)")
         if tuple(ds.shape) != tuple(shape):
@@ -220,6 +223,16 @@ class H5File:
             raise CorruptCheckpoint(f"{key!r}: dataset has non-numeric type {on_disk} for a {dtype} tensor")
         want = np.dtype(stored_numpy_dtype(dtype))
         bits_ok = on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))
+        if bits_ok and on_disk.byteorder in "=<|" and raw:
+            r = empty_raw(shape, dtype)
+            if r.nbytes:
+                dest = r.data.view(on_disk).reshape(shape)
+                self._read_into(ds, dest, key)
+                if dtype == "bool" and r.data.max() > 1:
+                    raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
+            return r
+        import torch
+
         if bits_ok and on_disk.byteorder in "=<|":
             t = empty_tensor(shape, dtype)
             if t.numel():

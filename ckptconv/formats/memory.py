@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptconv.formats.base import torch_dtype
+from ckptconv.core.dtypes import dtype_size
+from ckptconv.formats.base import RawTensor, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -142,13 +143,20 @@ class BufferPool:
         nbytes = math.prod(shape) * tdtype.itemsize
         if nbytes < self.min_size:
             return torch.empty(shape, dtype=tdtype)
+        return torch.from_numpy(self.array(nbytes)).view(tdtype).view(shape)
+
+    def array(self, nbytes: int) -> np.ndarray:
+        """An uninitialized 1-D uint8 array of ``nbytes``: large ones from the pool, given back
+        when the last array or tensor over its memory is gone."""
+        if nbytes < self.min_size:
+            return np.empty(nbytes, dtype=np.uint8)
         buf = self._take(nbytes)
         if buf is None:
             buf = np.empty(nbytes, dtype=np.uint8)
             advise_huge_pages(buf.ctypes.data, nbytes)
         lease = buf[:]  # the object the tensor keeps alive; its end returns ``buf``
         weakref.finalize(lease, self._give_back, buf)
-        return torch.from_numpy(lease).view(tdtype).view(shape)
+        return lease
 
     def _take(self, nbytes: int) -> np.ndarray | None:
         with self._lock:
@@ -194,3 +202,9 @@ POOL = BufferPool()
 def empty_tensor(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """An uninitialized CPU tensor for a reader to fill: large ones come from :data:`POOL`."""
     return POOL.tensor(tuple(shape), dtype)
+
+
+def empty_raw(shape: tuple[int, ...], dtype: str) -> RawTensor:
+    """:func:`empty_tensor` without torch: the tensor's bytes, for a reader to fill."""
+    shape = tuple(shape)
+    return RawTensor(POOL.array(math.prod(shape) * dtype_size(dtype)), dtype, shape)

@@ -47,7 +47,7 @@ from ckptconv.formats.base import (
     OpaqueObject,
     OutputFile,
     TensorSource,
-    dtype_name,
+    value_dtype,
 )
 from ckptconv.formats.hf_record import (
     RECORD_KEY,
@@ -293,9 +293,11 @@ class SafetensorsSource(TensorSource):
         if entry.kind == "link":  # its copy in the file is for plain readers; the target is the value
             return self.read(entry.target or "")
         slot = self._slots[key]
-        t = read_slot(self.storage, slot, self._local.fd(slot.uri))
+        # An object's payload is plain bytes: no tensor needed in either case.
+        raw = self.raw_reads or entry.kind == "object"
+        t = read_slot(self.storage, slot, self._local.fd(slot.uri), raw=raw)
         if entry.kind == "object":
-            return OpaqueObject(t.numpy().tobytes(), encoding=entry.meta["encoding"])
+            return OpaqueObject(tensor_view(t).tobytes(), encoding=entry.meta["encoding"])
         return t
 
     def close(self) -> None:
@@ -340,6 +342,7 @@ class SafetensorsSink(ShardedSink):
     supports_links = False
     supports_objects = True
     supported_dtypes = frozenset(ST_DTYPES)
+    accepts_raw = True
 
     def __init__(self, storage: Storage, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
@@ -405,10 +408,8 @@ class SafetensorsSink(ShardedSink):
             data: bytes | memoryview = value.payload
         else:
             want = self._dtypes[key]
-            if dtype_name(value.dtype) != want:
-                raise CorruptCheckpoint(
-                    f"{key!r}: got a {dtype_name(value.dtype)} tensor, {want} was announced", key=key
-                )
+            if value_dtype(value) != want:
+                raise CorruptCheckpoint(f"{key!r}: got a {value_dtype(value)} tensor, {want} was announced", key=key)
             data = tensor_view(value)
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
         if nbytes != regions[0].nbytes:

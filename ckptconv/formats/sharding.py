@@ -30,7 +30,7 @@ from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest, ObjectNotFound
 from ckptconv.core.sizes import parse_size
 from ckptconv.core.uri import basename, parent
-from ckptconv.formats.base import Entry, OutputFile, TensorSink
+from ckptconv.formats.base import Entry, OutputFile, RawTensor, TensorSink
 from ckptconv.formats.links import link_root
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, open_output_writer, upload_buffer_bytes
 
@@ -470,8 +470,10 @@ class Slot:
     shape: tuple[int, ...]
 
 
-def tensor_view(value: torch.Tensor) -> memoryview:
+def tensor_view(value: torch.Tensor | RawTensor) -> memoryview:
     """The raw little-endian bytes of a CPU tensor in C order, without copying when contiguous."""
+    if isinstance(value, RawTensor):
+        return memoryview(value.data).cast("B")
     import torch
 
     t = value.detach()
@@ -483,22 +485,29 @@ def tensor_view(value: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def read_slot(storage: Storage, slot: Slot, fd: int | None = None) -> torch.Tensor:
+def read_slot(storage: Storage, slot: Slot, fd: int | None = None, *, raw: bool = False) -> torch.Tensor | RawTensor:
     """One tensor from its byte range, read straight into the tensor's memory.
 
     ``fd`` (an open local file) reads with ``preadv`` and no intermediate copy; otherwise one
-    ranged read of exactly the tensor's bytes.
+    ranged read of exactly the tensor's bytes. ``raw``: a :class:`RawTensor`, without torch.
     """
-    import torch
-
     # Deferred: the buffer pool imports numpy, and the API process imports this module (shard
     # sizes) without numpy or torch.
-    from ckptconv.formats.memory import empty_tensor
+    from ckptconv.formats.memory import empty_raw, empty_tensor
 
-    t = empty_tensor(slot.shape, slot.dtype)
+    t: torch.Tensor | RawTensor
+    if raw:
+        t = empty_raw(slot.shape, slot.dtype)
+        buf = memoryview(t.data).cast("B")
+    else:
+        import torch
+
+        t = empty_tensor(slot.shape, slot.dtype)
+        if slot.nbytes == 0:
+            return t
+        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
     if slot.nbytes == 0:
         return t
-    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
     if fd is not None:
         done = 0
         while done < slot.nbytes:
