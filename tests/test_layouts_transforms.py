@@ -82,6 +82,49 @@ def test_rope_rejects_inconsistent_shapes() -> None:
         rope_permute(torch.zeros(8, 4), 4, 3, to_cs=True)
 
 
+@pytest.mark.parametrize(("shape", "d", "r"), [((64, 8), 16, 16), ((64,), 16, 4), ((48, 3, 2), 8, 6), ((0, 4), 4, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("to_cs", [True, False])
+def test_rope_on_raw_tensors_moves_the_bytes_the_torch_permutation_moves(
+    shape: tuple[int, ...], d: int, r: int, dtype: torch.dtype, to_cs: bool
+) -> None:
+    from ckptconv.formats.base import RawTensor
+
+    x = (torch.arange(math.prod(shape)) * 7 % 251).to(dtype).reshape(shape)
+    raw = RawTensor(x.reshape(-1).view(torch.uint8).numpy().copy(), str(dtype)[6:], shape)
+    out = rope_permute(raw, d, r, to_cs=to_cs)
+    assert isinstance(out, RawTensor) and out.dtype == raw.dtype and out.shape == shape
+    assert torch.equal(out.torch(), rope_permute(x, d, r, to_cs=to_cs))
+    assert torch.equal(raw.torch(), x)  # the input is left as it was
+
+
+def test_a_plan_of_copies_and_rotary_permutations_needs_no_meta_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from ckptconv.core.errors import ConversionError
+    from ckptconv.engine.layouts import steps
+    from ckptconv.engine.layouts.steps import Pre, make_step
+    from ckptconv.formats.base import Entry
+
+    entries = {"w": Entry("w", "tensor", "bfloat16", (64, 8)), "b": Entry("b", "array", "float32", (64,))}
+    params = {"head_dim": 16, "rotary_dim": 4}
+    with monkeypatch.context() as m:
+        m.setattr(steps, "meta_tensor", None)  # calling it would fail
+        fast = [make_step(f"o.{k}", [Pre((k,))], _rope_fn, params, 0, "rope", 1.0, entries) for k in entries]
+        with pytest.raises(ConversionError):  # a shape the permutation cannot take is refused all the same
+            make_step("o", [Pre(("w",))], _rope_fn, {"head_dim": 24, "rotary_dim": 4}, 0, "rope", 1.0, entries)
+    for name in ("rope", "copy"):
+        monkeypatch.setitem(TRANSFORMS, name, dataclasses.replace(TRANSFORMS[name], same_shape=None))
+    probed = [make_step(f"o.{k}", [Pre((k,))], _rope_fn, params, 0, "rope", 1.0, entries) for k in entries]
+    assert [s.out for s in fast] == [s.out for s in probed]
+    assert all(s.transform is not None and s.transform.raw for s in fast)
+    assert not any(s.transform is not None and s.transform.raw for s in probed)
+
+
+def _rope_fn(values: list, params: dict, index: int):
+    return TRANSFORMS["rope"].to_cs(values, params, index)
+
+
 # --- fused projections --------------------------------------------------------------------------
 
 FUSED = {

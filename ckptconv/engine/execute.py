@@ -220,7 +220,8 @@ def execute(
             read_digests[key] = value_digest(value)
 
     # A sink that takes tensors as bytes gets them so from a source that can read them so: a
-    # conversion that only moves bytes never imports torch. A transform gets torch tensors.
+    # conversion that only moves bytes never imports torch. A transform gets torch tensors unless
+    # it takes bytes too (``Transform.raw``).
     raw_before = source.raw_reads
     source.raw_reads = sink.accepts_raw
 
@@ -264,6 +265,8 @@ def execute(
                             values.append(cache[k])
                         if step.transform is None or step.transform is IDENTITY:
                             value = values[0]
+                        elif step.transform.raw:
+                            value = step.transform(values)
                         else:
                             value = step.transform([as_torch(v) for v in values])
                         del values

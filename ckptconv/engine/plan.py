@@ -40,6 +40,8 @@ class Transform:
     fn: Callable[[list[Any]], Any]
     params: dict[str, Any] = field(default_factory=dict)
     peak_factor: float = 1.0
+    # ``fn`` takes RawTensor inputs (formats.base) as they are; otherwise they reach it as torch tensors.
+    raw: bool = False
 
     def __call__(self, values: list[Any]) -> Any:
         return self.fn(values)

@@ -64,16 +64,28 @@ def make_step(
             args.append(pre(vs) if pre is not None else vs[0])
         return rule_fn(args, params, index)
 
-    try:
-        probe = fn([meta_tensor(entries[k]) for k in flat])
-    except CkptconvError:  # already typed (a CheckpointError is a ValueError too)
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError) as e:
-        raise ConversionError(
-            f"cannot build {out_key} from {', '.join(flat)} with {name}: {e}",
-            hint="check that --model and the config match the checkpoint (head counts, sizes)",
-        ) from e
-    dtype = str(probe.dtype).removeprefix("torch.")
+    tdef = TRANSFORMS.get(name)
+    # A plain read through a transform that keeps its input's dtype and shape (a copy, the rotary
+    # permutation): the output entry follows from the input's, with no meta tensor (no torch), and
+    # the transform takes the input as bytes at run time.
+    same_shape = tdef.same_shape if tdef is not None and len(flat) == 1 and fns == [None] else None
+    if same_shape is not None:
+        source = entries[flat[0]]
+        if source.kind not in ("tensor", "array") or source.shape is None or source.dtype is None:
+            raise ConversionError(f"{flat[0]} is a {source.kind}, not a tensor; a layout rule cannot transform it")
+        same_shape(tuple(source.shape), params)
+        dtype, shape = source.dtype, tuple(source.shape)
+    else:
+        try:
+            probe = fn([meta_tensor(entries[k]) for k in flat])
+        except CkptconvError:  # already typed (a CheckpointError is a ValueError too)
+            raise
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise ConversionError(
+                f"cannot build {out_key} from {', '.join(flat)} with {name}: {e}",
+                hint="check that --model and the config match the checkpoint (head counts, sizes)",
+            ) from e
+        dtype, shape = str(probe.dtype).removeprefix("torch."), tuple(probe.shape)
     shown = {k: v for k, v in params.items() if not isinstance(v, dict | list) or k in ("parts",)}
     if isinstance(params.get("outputs"), list):  # a fused tensor: say which part this output is
         shown["part"] = params["outputs"][index]
@@ -88,8 +100,8 @@ def make_step(
         # The value exactly as read: the default verification compares its hashes as read and as written.
         t = IDENTITY
     else:
-        t = Transform(name, fn, shown, peak_factor=peak)
-    return Step(Entry(out_key, "tensor", dtype, tuple(probe.shape)), tuple(flat), t)
+        t = Transform(name, fn, shown, peak_factor=peak, raw=same_shape is not None)
+    return Step(Entry(out_key, "tensor", dtype, shape), tuple(flat), t)
 
 
 def scale_fn(factor: float) -> Callable[[list[Any]], Any]:

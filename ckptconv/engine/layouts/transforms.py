@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptconv.core.errors import ConversionError
+from ckptconv.formats.base import RawTensor
 
 Fn = Callable[[list[Any], dict[str, Any], int], Any]
 
@@ -43,6 +44,10 @@ class TransformDef:
     generator: bool = False  # ignores its input's value (it only anchors the step)
     doc: str = ""
     literal: tuple[str, ...] = ()  # params that are names, not expressions over the config
+    # For a transform whose output has its one input's dtype and shape: refuses (ConversionError) an
+    # input shape it cannot take, given the params. Planning then needs no torch (no meta tensor),
+    # and the transform takes and gives RawTensor values (formats.base) as well as torch tensors.
+    same_shape: Callable[[tuple[int, ...], dict[str, Any]], None] | None = None
 
 
 TRANSFORMS: dict[str, TransformDef] = {}
@@ -53,8 +58,15 @@ def _register(t: TransformDef) -> TransformDef:
     return t
 
 
-def _same(fn: Fn, name: str, doc: str, peak: float = 1.0, generator: bool = False) -> TransformDef:
-    return _register(TransformDef(name, fn, fn, peak, generator, doc))
+def _same(
+    fn: Fn,
+    name: str,
+    doc: str,
+    peak: float = 1.0,
+    generator: bool = False,
+    same_shape: Callable[[tuple[int, ...], dict[str, Any]], None] | None = None,
+) -> TransformDef:
+    return _register(TransformDef(name, fn, fn, peak, generator, doc, same_shape=same_shape))
 
 
 # --- elementary ------------------------------------------------------------------------------
@@ -69,7 +81,7 @@ def _transpose(values: list[Any], p: dict[str, Any], index: int) -> Any:
     return x.t().contiguous() if x.dim() == 2 else x
 
 
-_same(_copy, "copy", "the tensor unchanged", peak=0.0)
+_same(_copy, "copy", "the tensor unchanged", peak=0.0, same_shape=lambda shape, p: None)
 _same(_transpose, "transpose", "2-D weights transposed (HF Conv1D [in, out] <-> [out, in]); 1-D tensors unchanged")
 
 
@@ -127,19 +139,49 @@ _register(
 # --- rotary ----------------------------------------------------------------------------------
 
 
+def _rope_check(shape: tuple[int, ...], head_dim: int, rotary_dim: int) -> None:
+    d, r = int(head_dim), int(rotary_dim)
+    if not shape or d <= 0 or r <= 0 or r > d or r % 2 or shape[0] % d:
+        raise ConversionError(
+            f"cannot apply the rotary permutation to a tensor of shape {list(shape)} with head_dim={d}, rotary_dim={r}",
+            hint="check num_heads, num_kv_groups and rotary_dim in the model config",
+        )
+
+
+def _rope_rows(rows: int, d: int, r: int, *, to_cs: bool) -> Any:
+    """Which input row each output row of :func:`rope_permute` is: the same reshapes and
+    transposes applied to the row numbers."""
+    import numpy as np
+
+    g = rows // d
+    y = np.arange(rows).reshape(g, d)
+    rot = y[:, :r]
+    if to_cs:
+        rot = rot.reshape(g, 2, r // 2).transpose(0, 2, 1).reshape(g, r)
+    else:
+        rot = rot.reshape(g, r // 2, 2).transpose(0, 2, 1).reshape(g, r)
+    return np.concatenate([rot, y[:, r:]], axis=1).reshape(rows)
+
+
 def rope_permute(x: Any, head_dim: int, rotary_dim: int, *, to_cs: bool) -> Any:
     """Reorder the rotary rows of every ``head_dim``-row group (see the module docstring)."""
-    import torch
-
+    _rope_check(tuple(x.shape), head_dim, rotary_dim)
     d, r = int(head_dim), int(rotary_dim)
     rows = x.shape[0]
     rest = tuple(x.shape[1:])
-    if d <= 0 or r <= 0 or r > d or r % 2 or rows % d:
-        raise ConversionError(
-            f"cannot apply the rotary permutation to a tensor of shape {list(x.shape)} "
-            f"with head_dim={d}, rotary_dim={r}",
-            hint="check num_heads, num_kv_groups and rotary_dim in the model config",
-        )
+    if isinstance(x, RawTensor):
+        # Whole rows move: the bytes of each, gathered in their new order (no torch).
+        import numpy as np
+
+        from ckptconv.formats.memory import empty_raw
+
+        out = empty_raw(x.shape, x.dtype)
+        if out.nbytes:
+            order = _rope_rows(rows, d, r, to_cs=to_cs)
+            np.take(x.data.reshape(rows, -1), order, axis=0, out=out.data.reshape(rows, -1))
+        return out
+    import torch
+
     g = rows // d
     y = x.reshape(g, d, *rest)
     rot = y[:, :r]
@@ -158,6 +200,7 @@ _register(
         lambda v, p, i: rope_permute(v[0], p["head_dim"], p["rotary_dim"], to_cs=True),
         lambda v, p, i: rope_permute(v[0], p["head_dim"], p["rotary_dim"], to_cs=False),
         doc="rotary rows: HF rotate-half <-> CS interleaved, per head_dim group",
+        same_shape=lambda shape, p: _rope_check(shape, p["head_dim"], p["rotary_dim"]),
     )
 )
 
