@@ -7,6 +7,7 @@ read from /proc (the process's socket descriptors against the kernel's table of 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import redis
+import uvicorn
 from test_api import drop_prefix
 
 from bench.ports import free_port
+from ckptconv.cli.api_processes import NOT_SERVING, BalancedServer
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads connections from /proc")
@@ -174,3 +177,50 @@ def test_sigterm_stops_every_process(serve: Serve) -> None:
     assert serve.proc.wait(60) == 0
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_sighup_restarts_every_process_and_the_server_keeps_serving(serve: Serve) -> None:
+    before = serve.wait_started(2)
+    serve.proc.send_signal(signal.SIGHUP)  # by default it ended the parent alone, its processes serving on
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert serve.proc.poll() is None, serve.log.read_text(errors="replace")
+        children = serve.children()
+        if len(children) == 2 and not set(children) & set(before):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the API processes were not restarted: {before} -> {serve.children()}")
+    pids = serve.wait_started(2, startups=4)
+    for c in connect(serve.port, 10):
+        c.close()
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.proc.wait(60) == 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_a_process_shutting_down_is_not_waited_for() -> None:
+    """Once a process stops accepting, its siblings see it as not serving while it finishes the
+    connections it has (they would hold back for it otherwise)."""
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # never called
+        raise AssertionError(scope)
+
+    counts = [NOT_SERVING, 0]
+    server = BalancedServer(uvicorn.Config(app, lifespan="off"), counts, 0)
+    server.config.load()
+    server.lifespan = server.config.lifespan_class(server.config)
+
+    class Connection:
+        def shutdown(self) -> None:  # as uvicorn's protocols: closing it removes it from the set
+            server.server_state.connections.discard(self)
+
+    async def run() -> None:
+        await server.startup(sockets=[])
+        server.server_state.connections.add(Connection())
+        assert counts[0] == 1
+        await server.shutdown(sockets=[])
+
+    asyncio.run(run())
+    assert counts == [NOT_SERVING, 0]

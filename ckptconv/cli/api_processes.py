@@ -46,14 +46,25 @@ class CountedConnections(set):
     def __init__(self, counts: Any, slot: int) -> None:
         super().__init__()
         self._counts, self._slot = counts, slot
+        self._retired = False
 
     def add(self, item: Any) -> None:
         super().add(item)
-        self._counts[self._slot] = len(self)
+        self._publish()
 
     def discard(self, item: Any) -> None:
         super().discard(item)
-        self._counts[self._slot] = len(self)
+        self._publish()
+
+    def retire(self) -> None:
+        """The process takes no more connections (it is shutting down): its siblings stop holding
+        back for it while it finishes the connections it has."""
+        self._retired = True
+        self._counts[self._slot] = NOT_SERVING
+
+    def _publish(self) -> None:
+        if not self._retired:
+            self._counts[self._slot] = len(self)
 
 
 class Acceptor:
@@ -164,6 +175,10 @@ class BalancedServer(uvicorn.Server):
             sock.listen(config.backlog)
             self.servers.append(Acceptor(sock, protocol, self._counts, self._slot, self.server_state.connections))
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.server_state.connections.retire()  # type: ignore[attr-defined]
+        await super().shutdown(sockets=sockets)
+
 
 def _run_process(config: uvicorn.Config, listener: socket.socket, counts: Any, slot: int) -> None:
     config.configure_logging()
@@ -172,11 +187,13 @@ def _run_process(config: uvicorn.Config, listener: socket.socket, counts: Any, s
 
 
 def serve(config: uvicorn.Config) -> int:
-    """Run ``config.workers`` API processes until SIGINT or SIGTERM; returns the exit status."""
+    """Run ``config.workers`` API processes until SIGINT or SIGTERM (SIGHUP restarts them one at a
+    time); returns the exit status."""
     listener = config.bind_socket()
     ctx = multiprocessing.get_context("spawn")
     counts = ctx.RawArray("q", config.workers)
     stopping: list[int] = []
+    restarts: list[int] = []
 
     def start(slot: int) -> multiprocessing.process.BaseProcess:
         counts[slot] = NOT_SERVING
@@ -188,18 +205,39 @@ def serve(config: uvicorn.Config) -> int:
     def stop(sig: int, frame: Any) -> None:
         stopping.append(sig)
 
+    def restart(sig: int, frame: Any) -> None:
+        restarts.append(sig)
+
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP restarts the processes, as in uvicorn's mode; by default it would end this process alone
+    # and leave the API processes serving with no one to restart or stop them.
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, restart)
     processes = [start(slot) for slot in range(config.workers)]
     started = [time.monotonic()] * config.workers
     quick_deaths = [0] * config.workers
+    to_restart: list[int] = []  # slots whose process is to be stopped and started again, in turn
+    retiring: set[int] = set()  # slots whose process was stopped to be started again
     status = 0
     try:
         while not stopping:
             time.sleep(0.2)
+            if restarts:
+                restarts.clear()
+                log.info("Received SIGHUP, restarting the API processes one at a time")
+                to_restart = list(range(config.workers))
+            # One at a time, once every process serves: the others take the connections meanwhile.
+            if to_restart and not retiring and all(counts[slot] >= 0 for slot in range(config.workers)):
+                slot = to_restart.pop(0)
+                retiring.add(slot)
+                processes[slot].terminate()  # SIGTERM: uvicorn finishes what is under way, then stops
             for slot, process in enumerate(processes):
                 if process.is_alive() or stopping:
                     continue
                 counts[slot] = NOT_SERVING
+                if slot in retiring:
+                    retiring.discard(slot)
+                    processes[slot], started[slot] = start(slot), time.monotonic()
+                    continue
                 quickly = time.monotonic() - started[slot] < STARTUP_SECONDS
                 quick_deaths[slot] = quick_deaths[slot] + 1 if quickly else 0
                 log.error("API process %d [%d] exited with %s", slot, process.pid, process.exitcode)
