@@ -13,7 +13,7 @@ future (Redis answers the commands of one connection in order).
   read, and dropped, so the next reply goes to the next command. (A command whose caller stopped
   waiting before the iteration's write still goes out, as a pooled command already sent does.)
 - An error reply (``ResponseError`` and its kinds: ``NoScriptError``, ...) goes to its own command
-  only; the connection stays in step.
+  only; the connection stays in step. So does a reply that does not decode (``UnicodeDecodeError``).
 - A lost connection fails every command waiting on it with ``redis.exceptions.ConnectionError``
   (the API answers 503); each one is then sent again on a new connection under the client's retry
   policy (the same ``Retry`` the pooled commands follow: a Redis restart costs no 503), and past it
@@ -336,7 +336,15 @@ class _Connection(asyncio.Protocol):
         pending = self.pending
         answered = 0
         try:
-            while (reply := reader.gets()) is not _NOT_ENOUGH_DATA:
+            while True:
+                try:
+                    reply = reader.gets()
+                except UnicodeDecodeError as e:
+                    # Not in the client's encoding: that command's error, as a pooled command raises
+                    # it. hiredis raises it once the whole reply is read: the next one is in step.
+                    reply = e
+                if reply is _NOT_ENOUGH_DATA:
+                    break
                 if isinstance(reply, _PUSH):
                     continue
                 future = pending.popleft()

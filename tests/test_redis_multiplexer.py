@@ -297,3 +297,27 @@ def test_blocking_commands_and_pipelines_keep_their_pooled_connections(server: P
             await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_reply_that_does_not_decode_fails_only_its_own_command(server: PrivateRedis) -> None:
+    # A pooled command raises UnicodeDecodeError and nothing else notices; the shared connection must
+    # not be dropped for it, which failed every command beside it and sent them all again.
+    raw = redis.Redis.from_url(server.url)
+    raw.set("mux:binary", b"\xff\xfe")
+    raw.delete("mux:counted")
+
+    async def scenario() -> list[Any]:
+        r = client(server.url)
+        try:
+            await r.ping()
+            calls = [r.incr("mux:counted") for _ in range(20)] + [r.get("mux:binary")]
+            calls += [r.incr("mux:counted") for _ in range(20)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            await r.aclose()
+
+    results = asyncio.run(scenario())
+    assert isinstance(results[20], UnicodeDecodeError)
+    assert sorted(results[:20] + results[21:]) == list(range(1, 41))
+    assert raw.get("mux:counted") == b"40"  # each INCR ran once
+
