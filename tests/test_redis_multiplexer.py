@@ -321,3 +321,27 @@ def test_a_reply_that_does_not_decode_fails_only_its_own_command(server: Private
     assert sorted(results[:20] + results[21:]) == list(range(1, 41))
     assert raw.get("mux:counted") == b"40"  # each INCR ran once
 
+
+@pytest.mark.parametrize("target", [True, False])
+def test_a_submission_sent_again_after_its_reply_was_lost_is_created_once(server: PrivateRedis, target: bool) -> None:
+    # A lost connection fails every command written on it, some of which Redis ran (their replies
+    # were lost), and the retry policy sends them again: the submit script must give the same answer
+    # (not target_taken by its own job) and queue the job once.
+    from ckptconv.core.jobstore import AsyncJobStore, RedisKeys
+
+    keys = RedisKeys(f"mux-submit-{target}:")
+    rec = {"id": "job_0000000000001234", "owner": "o", "kind": "convert", "state": "queued"}
+    if target:
+        rec["target_key"] = keys.target("s3://bucket/out/model.mdl")
+
+    async def scenario() -> list[list[str]]:
+        r = client(server.url)
+        store = AsyncJobStore(r, keys)
+        call = {"labels": {}, "idem_key": None, "fingerprint": "", "idem_ttl_seconds": 60, "response_body": "{}"}
+        try:
+            return [await store.submit(rec, **call, queue="jobs", message="m") for _ in range(2)]
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(scenario()) == [["created"], ["created"]]
+    assert plain(server.url).llen(keys.queue("jobs")) == 1

@@ -157,6 +157,11 @@ if KEYS[2] ~= '' then
     return {'exists', prev[1], prev[2] or '', prev[3] or '', prev[4] or '', prev[5] or ''}
   end
 end
+-- The job exists only if this same call ran before (each submission has an id of its own): its
+-- reply was lost and the call was sent again. Its answer stands; it is not queued twice.
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {'created'}
+end
 if KEYS[4] ~= '' then
   local holder = redis.call('GET', KEYS[4])
   if holder then
