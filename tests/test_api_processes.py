@@ -8,6 +8,9 @@ read from /proc (the process's socket descriptors against the kernel's table of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -15,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ import uvicorn
 from test_api import drop_prefix
 
 from bench.ports import free_port
-from ckptconv.cli.api_processes import NOT_SERVING, BalancedServer
+from ckptconv.cli.api_processes import NOT_SERVING, STALE_SECONDS, BalancedServer, Slots
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads connections from /proc")
@@ -88,8 +91,10 @@ class Serve:
         return held
 
 
-@pytest.fixture
-def serve(redis_url: str, tmp_path: Path) -> Iterator[Serve]:
+@contextlib.contextmanager
+def serving(redis_url: str, tmp_path: Path, hang_seconds: float | None = None) -> Iterator[Serve]:
+    """``ckptconv serve --dev --workers 2`` on a free port (with ``hang_seconds``, ``serve()`` called
+    as the command calls it, but with that limit)."""
     prefix = f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
     port = free_port()
     env = {
@@ -98,8 +103,16 @@ def serve(redis_url: str, tmp_path: Path) -> Iterator[Serve]:
         "CKPTCONV_REDIS_PREFIX": prefix,
         "CKPTCONV_STORAGE_PROBE_URI": f"{tmp_path}/",
     }
+    if hang_seconds is None:
+        args = [sys.executable, "-m", "ckptconv", "serve", "--dev", "--workers", "2", "--port", str(port)]
+    else:
+        env.update(CKPTCONV_ENVIRONMENT="development", CKPTCONV_AUTH_DISABLED="true")
+        code = (
+            "import sys, uvicorn; from ckptconv.cli.api_processes import serve; sys.exit(serve(uvicorn.Config("
+            f"'service.app:create_app', factory=True, port={port}, workers=2), hang_seconds={hang_seconds}))"
+        )
+        args = [sys.executable, "-c", code]
     log = tmp_path / "serve.log"
-    args = [sys.executable, "-m", "ckptconv", "serve", "--dev", "--workers", "2", "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -112,6 +125,12 @@ def serve(redis_url: str, tmp_path: Path) -> Iterator[Serve]:
             except subprocess.TimeoutExpired:
                 proc.kill()
         drop_prefix(redis.Redis.from_url(redis_url), prefix)
+
+
+@pytest.fixture
+def serve(redis_url: str, tmp_path: Path) -> Iterator[Serve]:
+    with serving(redis_url, tmp_path) as s:
+        yield s
 
 
 def connect(port: int, n: int) -> list[socket.socket]:
@@ -149,6 +168,34 @@ def test_a_stopped_process_does_not_keep_connections_waiting(serve: Serve) -> No
         os.kill(stopped, signal.SIGCONT)
     for c in [*idle, *conns]:
         c.close()
+
+
+def test_a_sibling_whose_event_loop_stopped_running_is_not_waited_for() -> None:
+    slots = Slots(multiprocessing.get_context("spawn"), 3)
+    slots.counts[:] = [2, 0, NOT_SERVING]
+    now = time.monotonic()
+    slots.beats[:] = [now, now, now]
+    assert slots.waits_for(0, 2) == [1]  # less busy and running: worth a short wait
+    assert slots.waits_for(1, 0) == []  # nobody is less busy than none
+    slots.beats[1] = now - 2 * STALE_SECONDS  # stopped, stuck in a long call, ...
+    assert slots.waits_for(0, 2) == []
+
+
+def test_a_process_that_stops_running_is_killed_and_replaced(redis_url: str, tmp_path: Path) -> None:
+    with serving(redis_url, tmp_path, hang_seconds=2) as serve:
+        stopped, running = serve.wait_started(2)
+        os.kill(stopped, signal.SIGSTOP)  # alive, holding its slot, but its event loop no longer runs
+        deadline = time.monotonic() + 60
+        while stopped in serve.children() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stopped not in serve.children(), "the stopped API process was not replaced"
+        pids = serve.wait_started(2, startups=3)
+        assert running in pids
+        assert "has not run for 2 s; killing it" in serve.log.read_text()
+        conns = connect(serve.port, 20)
+        assert min(serve.held_by(pids).values()) >= 8
+        for c in conns:
+            c.close()
 
 
 def test_a_killed_process_is_replaced_and_the_other_serves_meanwhile(serve: Serve) -> None:
@@ -207,8 +254,10 @@ def test_a_process_shutting_down_is_not_waited_for() -> None:
     async def app(scope: dict, receive: object, send: object) -> None:  # never called
         raise AssertionError(scope)
 
-    counts = [NOT_SERVING, 0]
-    server = BalancedServer(uvicorn.Config(app, lifespan="off"), counts, 0)
+    slots = Slots(multiprocessing.get_context("spawn"), 2)
+    counts = slots.counts
+    counts[:] = [NOT_SERVING, 0]
+    server = BalancedServer(uvicorn.Config(app, lifespan="off"), slots, 0)
     server.config.load()
     server.lifespan = server.config.lifespan_class(server.config)
 
@@ -223,4 +272,49 @@ def test_a_process_shutting_down_is_not_waited_for() -> None:
         await server.shutdown(sockets=[])
 
     asyncio.run(run())
-    assert counts == [NOT_SERVING, 0]
+    assert list(counts) == [NOT_SERVING, 0]
+
+
+def read_until(conn: socket.socket, done: Callable[[bytes], bool]) -> bytes:
+    data = b""
+    while not done(data):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_responses_arrive_whole_in_order_and_streams_as_they_are_written(serve: Serve, tmp_path: Path) -> None:
+    # A process writes each response's head and body as one (ckptconv.cli.api_processes.CoalescedWrites):
+    # pipelined requests, a closing connection and an event stream still get every byte, in time.
+    serve.wait_started(2)
+    with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as c:
+        c.sendall(REQUEST * 3)
+        data = read_until(c, lambda d: d.count(b"HTTP/1.1 200") == 3 and d.endswith(b"}"))
+        assert data.count(b"HTTP/1.1 200") == 3 and data.count(b'"status":"ok"') == 3, data
+    with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as c:
+        c.sendall(b"GET /v1/formats HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        head, _, body = read_until(c, lambda d: False).partition(b"\r\n\r\n")  # until the server closes
+        length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        assert head.startswith(b"HTTP/1.1 200") and len(body) == length > 1000
+
+    job = {
+        "kind": "convert",
+        "source": {"uri": f"{tmp_path}/in/model.safetensors"},
+        "target": {"uri": f"{tmp_path}/out/model.mdl", "format": "cs-h5"},
+    }
+    body = json.dumps(job).encode()
+    with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as c:
+        c.sendall(
+            b"POST /v1/jobs HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        answer = read_until(c, lambda d: d.endswith(b"}"))
+        assert answer.startswith(b"HTTP/1.1 202"), answer
+        job_id = json.loads(answer.partition(b"\r\n\r\n")[2])["id"]
+    with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as c:
+        c.sendall(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        # The job stays queued (no worker runs): its first event arrives while the stream stays open.
+        first = read_until(c, lambda d: b"\n\n" in d.partition(b"\r\n\r\n")[2])
+        assert b"event: job" in first and job_id.encode() in first, first

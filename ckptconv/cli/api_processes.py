@@ -9,9 +9,11 @@ process idles. Its tail latency is the service's.
 
 Here each process accepts one connection at a time and holds back while it serves more connections
 than the least busy of its siblings that are serving (live counts in shared memory). It holds back
-for at most ``HOLD_BACK_SECONDS`` per connection: a sibling that is stuck or slow does not keep new
-connections waiting, and one that is starting or dead is not waited for. A process that dies is
-started again in its slot.
+for at most ``HOLD_BACK_SECONDS`` per connection, so a slow sibling delays a new connection by that
+much at worst. A sibling that is starting, shutting down or dead is not waited for, nor one whose
+event loop has not run for ``STALE_SECONDS`` (each process notes in shared memory when its loop last
+ran); one that has not run for ``HANG_SECONDS`` (stopped, deadlocked) is killed. A process that
+dies is started again in its slot; SIGHUP restarts them all, one at a time.
 """
 
 from __future__ import annotations
@@ -34,8 +36,27 @@ NOT_SERVING = -1  # the count of a process that is starting, or dead: siblings d
 HOLD_BACK_SECONDS = 0.05  # the longest a new connection waits for a less busy process to take it
 RECHECK_SECONDS = 0.001  # how often a process holding back looks again
 RESTART_PAUSE_SECONDS = 0.5  # between a process's death and its replacement
+BEAT_SECONDS = 0.1  # how often a serving process notes that its event loop runs
+STALE_SECONDS = 0.5  # a sibling whose loop has not run for this long is not waited for
+HANG_SECONDS = 30.0  # a serving process whose loop has not run for this long is killed and replaced
 QUICK_DEATHS = 3  # processes that die this many times in a row within STARTUP_SECONDS: give up
 STARTUP_SECONDS = 10.0
+
+
+class Slots:
+    """What the N processes know of each other, in shared memory: per slot, the live connections
+    of its process (NOT_SERVING while it starts, shuts down or is dead) and the last time (the
+    system's monotonic clock) its event loop ran."""
+
+    def __init__(self, ctx: Any, processes: int) -> None:
+        self.counts = ctx.RawArray("q", processes)
+        self.beats = ctx.RawArray("d", processes)
+
+    def waits_for(self, slot: int, mine: int) -> list[int]:
+        """The siblings of ``slot`` that serve fewer than ``mine`` connections and are not stuck."""
+        now = time.monotonic()
+        counts, beats = self.counts, self.beats
+        return [i for i in range(len(counts)) if i != slot and mine > counts[i] >= 0 and now - beats[i] < STALE_SECONDS]
 
 
 class CountedConnections(set):
@@ -43,9 +64,9 @@ class CountedConnections(set):
     themselves when made and discard themselves when lost) that also publishes its size in the
     process's slot of the shared counts."""
 
-    def __init__(self, counts: Any, slot: int) -> None:
+    def __init__(self, slots: Slots, slot: int) -> None:
         super().__init__()
-        self._counts, self._slot = counts, slot
+        self._counts, self._slot = slots.counts, slot
         self._retired = False
 
     def add(self, item: Any) -> None:
@@ -75,25 +96,29 @@ class Acceptor:
         self,
         listener: socket.socket,
         protocol: Callable[[], asyncio.Protocol],
-        counts: Any,
+        slots: Slots,
         slot: int,
         connections: set,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._listener, self._protocol = listener, protocol
-        self._counts, self._slot, self._connections = counts, slot, connections
+        self._slots, self._slot, self._connections = slots, slot, connections
         self._opening = 0  # accepted, not yet in ``connections``
         self._held_since: float | None = None
         self._closed = False
         self._resume_handle: asyncio.TimerHandle | None = None
         self._pending: set[asyncio.Task[None]] = set()
         listener.setblocking(False)
-        counts[slot] = len(connections)  # serving from now on: siblings compare themselves with it
+        self._beat()
+        slots.counts[slot] = len(connections)  # serving from now on: siblings compare themselves with it
         self._loop.add_reader(listener.fileno(), self._readable)
 
+    def _beat(self) -> None:
+        self._slots.beats[self._slot] = time.monotonic()
+        self._beat_handle = self._loop.call_later(BEAT_SECONDS, self._beat)
+
     def _busier_than_a_sibling(self) -> bool:
-        mine = self._counts[self._slot] + self._opening
-        return any(mine > n >= 0 for i, n in enumerate(self._counts) if i != self._slot)  # NOT_SERVING < 0
+        return bool(self._slots.waits_for(self._slot, self._slots.counts[self._slot] + self._opening))
 
     def _readable(self) -> None:
         if self._busier_than_a_sibling():
@@ -141,6 +166,7 @@ class Acceptor:
         if self._closed:
             return
         self._closed = True
+        self._beat_handle.cancel()
         if self._resume_handle is not None:
             self._resume_handle.cancel()
         else:
@@ -151,21 +177,63 @@ class Acceptor:
             await asyncio.gather(*self._pending, return_exceptions=True)
 
 
+class CoalescedWrites:
+    """A connection's transport whose writes of one event-loop iteration go out as one (``writelines``:
+    one ``writev``). uvicorn writes a response's head and its body separately, two ``send()`` calls
+    and two trips through the kernel's loopback or network path per response; here they are one.
+    Whatever was written goes out before the transport closes."""
+
+    __slots__ = ("_loop", "_pending", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self._transport.is_closing():
+            self._transport.writelines(pending)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def coalescing(protocol_class: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
+    """``protocol_class`` (uvicorn's HTTP protocol) writing through :class:`CoalescedWrites`."""
+
+    class Coalescing(protocol_class):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(CoalescedWrites(transport))  # type: ignore[arg-type]
+
+    return Coalescing
+
+
 class BalancedServer(uvicorn.Server):
     """uvicorn's server for one of the N processes: uvicorn starts the application (lifespan, state)
     with no socket of its own, and the :class:`Acceptor` feeds it connections."""
 
-    def __init__(self, config: uvicorn.Config, counts: Any, slot: int) -> None:
+    def __init__(self, config: uvicorn.Config, slots: Slots, slot: int) -> None:
         super().__init__(config)
-        self._counts, self._slot = counts, slot
+        self._slots, self._slot = slots, slot
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self.server_state.connections = CountedConnections(self._counts, self._slot)
+        self.server_state.connections = CountedConnections(self._slots, self._slot)
         await super().startup(sockets=[])
         config, loop = self.config, asyncio.get_running_loop()
+        http_protocol = coalescing(config.http_protocol_class)
 
         def protocol() -> asyncio.Protocol:
-            return config.http_protocol_class(  # type: ignore[call-arg]
+            return http_protocol(  # type: ignore[call-arg]
                 config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=loop
             )
 
@@ -173,31 +241,32 @@ class BalancedServer(uvicorn.Server):
         for sock in sockets or []:
             # As asyncio's create_server would: the socket takes connections once a process serves it.
             sock.listen(config.backlog)
-            self.servers.append(Acceptor(sock, protocol, self._counts, self._slot, self.server_state.connections))
+            self.servers.append(Acceptor(sock, protocol, self._slots, self._slot, self.server_state.connections))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.server_state.connections.retire()  # type: ignore[attr-defined]
         await super().shutdown(sockets=sockets)
 
 
-def _run_process(config: uvicorn.Config, listener: socket.socket, counts: Any, slot: int) -> None:
+def _run_process(config: uvicorn.Config, listener: socket.socket, slots: Slots, slot: int) -> None:
     config.configure_logging()
     with contextlib.suppress(KeyboardInterrupt):
-        BalancedServer(config, counts, slot).run(sockets=[listener])
+        BalancedServer(config, slots, slot).run(sockets=[listener])
 
 
-def serve(config: uvicorn.Config) -> int:
+def serve(config: uvicorn.Config, *, hang_seconds: float = HANG_SECONDS) -> int:
     """Run ``config.workers`` API processes until SIGINT or SIGTERM (SIGHUP restarts them one at a
     time); returns the exit status."""
     listener = config.bind_socket()
     ctx = multiprocessing.get_context("spawn")
-    counts = ctx.RawArray("q", config.workers)
+    slots = Slots(ctx, config.workers)
+    counts, beats = slots.counts, slots.beats
     stopping: list[int] = []
     restarts: list[int] = []
 
     def start(slot: int) -> multiprocessing.process.BaseProcess:
         counts[slot] = NOT_SERVING
-        process = ctx.Process(target=_run_process, args=(config, listener, counts, slot), name=f"api-{slot}")
+        process = ctx.Process(target=_run_process, args=(config, listener, slots, slot), name=f"api-{slot}")
         process.start()
         log.info("Started API process %d [%d]", slot, process.pid)
         return process
@@ -231,6 +300,13 @@ def serve(config: uvicorn.Config) -> int:
                 retiring.add(slot)
                 processes[slot].terminate()  # SIGTERM: uvicorn finishes what is under way, then stops
             for slot, process in enumerate(processes):
+                if process.is_alive() and counts[slot] >= 0 and time.monotonic() - beats[slot] > hang_seconds:
+                    # Stopped or stuck (uvicorn's own mode pinged its processes for this): its
+                    # connections go nowhere. Replaced as a process that died.
+                    log.error("API process %d [%d] has not run for %g s; killing it", slot, process.pid, hang_seconds)
+                    counts[slot] = NOT_SERVING
+                    process.kill()
+                    process.join()
                 if process.is_alive() or stopping:
                     continue
                 counts[slot] = NOT_SERVING
