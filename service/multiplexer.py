@@ -21,10 +21,10 @@ future (Redis answers the commands of one connection in order).
 - With a ``socket_timeout`` (``?socket_timeout=`` in the Redis URL) a connection on which Redis has
   answered nothing for that long is closed and its commands fail with ``TimeoutError``, as a pooled
   command's read times out; without one, as with the pool, commands wait for Redis.
-- At most ``max_in_flight`` commands are sent and not yet answered (the pool's size: a stalled Redis
-  holds as many commands as it held connections); a command that finds them all taken waits up to
-  the pool's timeout for one, then fails as a command that finds the pool exhausted does
-  (``ConnectionError``, 503).
+- At most ``max_in_flight`` commands are sent and not yet answered or wait for the connection to
+  open (the pool's size: a stalled Redis holds as many commands as it held connections); a command
+  that finds them all taken waits up to the pool's timeout for one, then fails as a command that
+  finds the pool exhausted does (``ConnectionError``, 503).
 
 Only the commands in :data:`MULTIPLEXED` take this way: they neither block nor change the state of
 the connection they run on. Everything else (blocking reads, pipelines and transactions, pub/sub,
@@ -168,6 +168,7 @@ class Multiplexer:
         self._connection: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._opening = 0  # commands in flight that wait for the connection to open (see _in_line)
         self._closed = False
 
     @classmethod
@@ -204,12 +205,12 @@ class Multiplexer:
     async def execute(self, packed: bytes) -> Any:
         """The reply to one packed command (an error reply raised)."""
         connection = self._connection
-        if connection is None or len(connection.pending) >= self.max_in_flight:
+        if connection is None or len(connection.pending) + self._opening >= self.max_in_flight:
             await self._slot()  # its ConnectionError is not sent again, as the pool's is not
             connection = None
         try:
             if connection is None:
-                connection = await self._connected()
+                connection = await self._in_line()
             return await connection.send(packed)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             if self.retry is None:
@@ -225,7 +226,7 @@ class Multiplexer:
         async def attempt() -> Any:
             if failed:
                 raise failed.pop()
-            return await (await self._connected()).send(packed)
+            return await (await self._in_line()).send(packed)
 
         assert self.retry is not None
         return await self.retry.call_with_retry(attempt, _ignore)
@@ -233,8 +234,29 @@ class Multiplexer:
     async def _slot(self) -> None:
         """Wait until fewer than ``max_in_flight`` commands are unanswered (see the module)."""
         deadline = asyncio.get_running_loop().time() + self.wait_timeout
-        while (connection := self._connection) is not None and len(connection.pending) >= self.max_in_flight:
+        while self._in_flight() >= self.max_in_flight:
             await wait_in_line(self._slot_waiters, deadline)
+
+    def _in_flight(self) -> int:
+        connection = self._connection
+        return self._opening + (len(connection.pending) if connection is not None else 0)
+
+    async def _in_line(self) -> _Connection:
+        """The shared connection, for a command that counts among those in flight while it waits for
+        the connection to open: commands that arrive meanwhile wait for a place (without it, every
+        command of a stall that began as the connection opened waited for Redis)."""
+        connection = self._connection
+        if connection is not None and not connection.lost:
+            return connection
+        self._opening += 1
+        try:
+            # Its caller sends at once (nothing awaited in between): it moves into ``pending``.
+            return await self._connected()
+        except BaseException:
+            wake(self._slot_waiters, 1)  # after the count below drops: its place is free
+            raise
+        finally:
+            self._opening -= 1
 
     async def _connected(self) -> _Connection:
         """The shared connection, opened (once, for every command waiting for it) if there is none."""
@@ -359,7 +381,8 @@ class _Connection(asyncio.Protocol):
             # Out of step with Redis (a reply nobody asked for, or not the protocol): start again.
             self._fail(redis.exceptions.ConnectionError, f"Protocol error from {self.where}: {e!r}")
         self._answered += answered
-        if self.mux._slot_waiters:
+        # (The replies to a new connection's handshake free no place: it is not the shared one yet.)
+        if self.mux._slot_waiters and self.mux._connection is self:
             wake(self.mux._slot_waiters, answered)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -277,6 +277,28 @@ def test_a_stalled_redis_holds_as_many_commands_as_the_pool_had_connections(serv
     asyncio.run(scenario())
 
 
+def test_a_redis_stalled_while_the_connection_opens_holds_no_more_commands(server: PrivateRedis) -> None:
+    # The commands that wait for the shared connection to open (its handshake waits for a stalled
+    # Redis) count among those waiting for Redis: the others give up after the pool's timeout.
+    async def scenario() -> list[Any]:
+        r = client(server.url, max_connections=4, pool_timeout=0.5)
+        try:
+            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "2"))
+            await asyncio.sleep(0.2)
+            r._mux._handshake.append(("PING",))  # a handshake to wait on, whatever the protocol
+            outcomes = await asyncio.gather(*(r.incr("mux:opening") for _ in range(12)), return_exceptions=True)
+            await stall
+            return outcomes
+        finally:
+            await r.aclose()
+
+    plain(server.url).delete("mux:opening")
+    outcomes = asyncio.run(scenario())
+    refused = [x for x in outcomes if isinstance(x, redis.exceptions.ConnectionError)]
+    assert len(refused) == 8 and all("No connection available" in str(x) for x in refused), outcomes
+    assert sorted(x for x in outcomes if not isinstance(x, BaseException)) == [1, 2, 3, 4]
+
+
 def test_blocking_commands_and_pipelines_keep_their_pooled_connections(server: PrivateRedis) -> None:
     async def scenario() -> None:
         r = client(server.url, max_connections=3)
