@@ -416,3 +416,22 @@ def test_a_layout_conversion_to_torch_shards_fans_out_to_the_single_worker_bytes
     assert [_sha(o.uri) for o in two.outputs] == [_sha(o.uri) for o in one.outputs]
     assert [o.sha256 for o in two.outputs] == [_sha(o.uri) for o in two.outputs]
     assert two.verify["ok"] is True
+
+
+def test_a_fan_out_that_only_moves_bytes_never_imports_torch(tmp_path: Path) -> None:
+    # Its parts read tensors as bytes, as the single-worker executor does (formats.base.RawTensor).
+    import subprocess
+    import sys
+
+    source = _source(tmp_path, "safetensors")
+    expected = _single(source, str(tmp_path / "one" / "out.mdl"), "cs-h5")
+    code = f"""
+import sys
+from ckptconv.engine.convert import convert
+result = convert({source!r}, {str(tmp_path / "three" / "out.mdl")!r}, to="cs-h5", parallelism=3, job_id="fan-raw")
+print(result.outputs[0].sha256)
+assert "torch" not in sys.modules, "the fan-out imported torch"
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == expected

@@ -263,12 +263,7 @@ def execute(
                                     if read_digests is not None:
                                         read_digests[k] = value_digest(cache[k])
                             values.append(cache[k])
-                        if step.transform is None or step.transform is IDENTITY:
-                            value = values[0]
-                        elif step.transform.raw:
-                            value = step.transform(values)
-                        else:
-                            value = step.transform([as_torch(v) for v in values])
+                        value = apply_transform(step.transform, values)
                         del values
                     check_produced(out, value)
                     sink.write(out.key, value)
@@ -291,6 +286,16 @@ def execute(
     finally:
         source.raw_reads = raw_before
     return digests
+
+
+def apply_transform(transform: Any, values: list[Any]) -> Any:
+    """``transform`` (None: the identity) of ``values``: tensors as bytes to a transform that takes
+    them so (``Transform.raw``), as torch tensors to any other."""
+    if transform is None or transform is IDENTITY:
+        return values[0]
+    if transform.raw:
+        return transform(values)
+    return transform([as_torch(v) for v in values])
 
 
 def check_produced(out: Entry, value: Any) -> None:

@@ -13,7 +13,7 @@ import xxhash
 from ckptconv.core.errors import Cancelled, TargetExists, VerificationFailed
 from ckptconv.core.fencing import fence
 from ckptconv.core.uri import normalize_uri
-from ckptconv.engine.execute import IDENTITY, CancelFn, check_produced, check_written, value_digest
+from ckptconv.engine.execute import CancelFn, apply_transform, check_produced, check_written, value_digest
 from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri
 from ckptconv.engine.fanout.runner import PartRunner
 from ckptconv.engine.fanout.tail import HeldUpload, held_uri
@@ -29,10 +29,11 @@ from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, PartUpload
 
 
 def compute(step: Step, read: Callable[[str], Any]) -> Any:
-    """The value of one step from its inputs as ``read`` gives them."""
+    """The value of one step from its inputs as ``read`` gives them (tensors as bytes, for a
+    transform that takes them so; torch tensors for any other)."""
     if not step.inputs:
         return step.out.value
-    value = (step.transform or IDENTITY)([read(k) for k in step.inputs])
+    value = apply_transform(step.transform, [read(k) for k in step.inputs])
     check_produced(step.out, value)
     return value
 
@@ -119,6 +120,9 @@ def run_part(
     # Values are read ahead (as the executor reads them) while the previous one is written.
     keys = _part_inputs(files, doc["parts"][index], steps)
     sizes = {e.key: e.nbytes for e in src.entries()}
+    # A part writes the bytes of its values: a source that can read tensors as bytes does (a part
+    # that only moves bytes never imports torch), as the single-worker executor does.
+    raw_before, src.raw_reads = src.raw_reads, True
 
     def hashed_as_read(key: str, value: Any) -> None:
         read_digests[key] = value_digest(value)
@@ -186,6 +190,7 @@ def run_part(
         raise
     finally:
         fetcher.stop()
+        src.raw_reads = raw_before
     mismatches = check_written(_sub_plan(plan, digests), digests, read_digests).mismatches
     if mismatches:
         raise VerificationFailed(f"part {index}: " + "; ".join(mismatches[:5]), mismatches=mismatches[:50])

@@ -57,6 +57,7 @@ def _prepare(
     sink.check(entries)
     digests: dict[str, str] = {}
     read_digests: dict[str, str] = {}
+    raw_before, src.raw_reads = src.raw_reads, sink.accepts_raw  # as the single-worker executor reads
     try:
         sink.begin(entries, plan.spec)
         placed = sink.placed_keys()
@@ -78,6 +79,8 @@ def _prepare(
     except BaseException:
         sink.abort()
         raise
+    finally:
+        src.raw_reads = raw_before
     for rel, data in extra_files.items():  # written whole, as a single-worker run writes them
         uri = storage.join(layout.staging, rel)
         storage.write_bytes(uri, data)
