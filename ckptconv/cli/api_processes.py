@@ -102,7 +102,7 @@ class Acceptor:
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._listener, self._protocol = listener, protocol
-        self._slots, self._slot, self._connections = slots, slot, connections
+        self._slots, self._slot = slots, slot
         self._opening = 0  # accepted, not yet in ``connections``
         self._held_since: float | None = None
         self._closed = False
@@ -304,7 +304,6 @@ def serve(config: uvicorn.Config, *, hang_seconds: float = HANG_SECONDS) -> int:
                     # Stopped or stuck (uvicorn's own mode pinged its processes for this): its
                     # connections go nowhere. Replaced as a process that died.
                     log.error("API process %d [%d] has not run for %g s; killing it", slot, process.pid, hang_seconds)
-                    counts[slot] = NOT_SERVING
                     process.kill()
                     process.join()
                 if process.is_alive() or stopping:

@@ -222,69 +222,63 @@ def execute(
     # A sink that takes tensors as bytes gets them so from a source that can read them so: a
     # conversion that only moves bytes never imports torch. A transform gets torch tensors unless
     # it takes bytes too (``Transform.raw``).
-    raw_before = source.raw_reads
-    source.raw_reads = sink.accepts_raw
-
-    try:
-        # Idle tensor buffers are the estimate's second largest value (formats/memory.py).
-        with POOL.capped(max(largest, plan.largest_entry_bytes())):
-            fetcher = (
-                Prefetcher(
-                    source,
-                    order,
-                    src_sizes,
-                    budget,
-                    workers=source.read_parallelism if parallel_reads else 1,
-                    on_read=hashed_as_read,
-                )
-                if prefetch and order
-                else None
+    # Idle tensor buffers are the estimate's second largest value (formats/memory.py).
+    with source.reading_raw(sink.accepts_raw), POOL.capped(max(largest, plan.largest_entry_bytes())):
+        fetcher = (
+            Prefetcher(
+                source,
+                order,
+                src_sizes,
+                budget,
+                workers=source.read_parallelism if parallel_reads else 1,
+                on_read=hashed_as_read,
             )
-            cache: dict[str, Any] = {}
-            digests: dict[str, str] = {}
-            reporter.stage("converting", plan.tensors_total, plan.bytes_total)
-            try:
-                for step in plan.steps:
-                    if cancelled is not None and cancelled():
-                        raise Cancelled("cancelled by request; nothing was published")
-                    out = step.out
-                    if out.kind == "link":
-                        continue
-                    if not step.inputs:
-                        value = out.value
-                    else:
-                        values = []
-                        for k in step.inputs:
-                            if k not in cache:
-                                if fetcher:
-                                    cache[k] = fetcher.get(k)
-                                else:
-                                    cache[k] = source.read(k)
-                                    if read_digests is not None:
-                                        read_digests[k] = value_digest(cache[k])
-                            values.append(cache[k])
-                        value = apply_transform(step.transform, values)
-                        del values
-                    check_produced(out, value)
-                    sink.write(out.key, value)
-                    # After the write: a sink that changed the value in place shows in the digest.
-                    digests[out.key] = value_digest(value)
-                    if out.is_data:
-                        reporter.advance(1, out.nbytes)
-                    del value
+            if prefetch and order
+            else None
+        )
+        cache: dict[str, Any] = {}
+        digests: dict[str, str] = {}
+        reporter.stage("converting", plan.tensors_total, plan.bytes_total)
+        try:
+            for step in plan.steps:
+                if cancelled is not None and cancelled():
+                    raise Cancelled("cancelled by request; nothing was published")
+                out = step.out
+                if out.kind == "link":
+                    continue
+                if not step.inputs:
+                    value = out.value
+                else:
+                    values = []
                     for k in step.inputs:
-                        uses[k] -= 1
-                        if uses[k] == 0:
-                            cache.pop(k, None)
+                        if k not in cache:
                             if fetcher:
-                                fetcher.release(k)
-                reporter.finish()
-            finally:
-                cache.clear()
-                if fetcher:
-                    fetcher.stop()
-    finally:
-        source.raw_reads = raw_before
+                                cache[k] = fetcher.get(k)
+                            else:
+                                cache[k] = source.read(k)
+                                if read_digests is not None:
+                                    read_digests[k] = value_digest(cache[k])
+                        values.append(cache[k])
+                    value = apply_transform(step.transform, values)
+                    del values
+                check_produced(out, value)
+                sink.write(out.key, value)
+                # After the write: a sink that changed the value in place shows in the digest.
+                digests[out.key] = value_digest(value)
+                if out.is_data:
+                    reporter.advance(1, out.nbytes)
+                del value
+                for k in step.inputs:
+                    uses[k] -= 1
+                    if uses[k] == 0:
+                        cache.pop(k, None)
+                        if fetcher:
+                            fetcher.release(k)
+            reporter.finish()
+        finally:
+            cache.clear()
+            if fetcher:
+                fetcher.stop()
     return digests
 
 

@@ -32,8 +32,9 @@ Values in flight:
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -182,6 +183,15 @@ class TensorSource(abc.ABC):
     def __init__(self, storage: Storage, uri: str) -> None:
         self.storage = storage
         self.uri = uri
+
+    @contextlib.contextmanager
+    def reading_raw(self, raw: bool) -> Iterator[None]:
+        """Within the block, ``raw_reads`` is ``raw``; afterwards what it was."""
+        before, self.raw_reads = self.raw_reads, raw
+        try:
+            yield
+        finally:
+            self.raw_reads = before
 
     @abc.abstractmethod
     def entries(self) -> list[Entry]:

@@ -120,77 +120,76 @@ def run_part(
     # Values are read ahead (as the executor reads them) while the previous one is written.
     keys = _part_inputs(files, doc["parts"][index], steps)
     sizes = {e.key: e.nbytes for e in src.entries()}
-    # A part writes the bytes of its values: a source that can read tensors as bytes does (a part
-    # that only moves bytes never imports torch), as the single-worker executor does.
-    raw_before, src.raw_reads = src.raw_reads, True
 
     def hashed_as_read(key: str, value: Any) -> None:
         read_digests[key] = value_digest(value)
 
-    memory = doc.get("memory") or {}
-    largest = max((sizes.get(k, 0) for k in keys), default=0)
-    fetcher = Prefetcher(
-        src,
-        keys,
-        sizes,
-        # A memory budget lets the part read further ahead (see fanout.run._part_memory).
-        max(largest, memory.get("read_ahead_bytes") or 0) if memory.get("budget_bytes") else largest,
-        workers=src.read_parallelism,
-        on_read=hashed_as_read,
-    )
+    # A part writes the bytes of its values: a source that can read tensors as bytes does (a part
+    # that only moves bytes never imports torch), as the single-worker executor does.
+    with src.reading_raw(True):
+        memory = doc.get("memory") or {}
+        largest = max((sizes.get(k, 0) for k in keys), default=0)
+        fetcher = Prefetcher(
+            src,
+            keys,
+            sizes,
+            # A memory budget lets the part read further ahead (see fanout.run._part_memory).
+            max(largest, memory.get("read_ahead_bytes") or 0) if memory.get("budget_bytes") else largest,
+            workers=src.read_parallelism,
+            on_read=hashed_as_read,
+        )
 
-    def read(key: str) -> Any:
-        value = fetcher.get(key)
-        fetcher.release(key)  # held by the step being computed only
-        return value
+        def read(key: str) -> Any:
+            value = fetcher.get(key)
+            fetcher.release(key)  # held by the step being computed only
+            return value
 
-    try:
-        for fi, start, end in doc["parts"][index]:
-            f = files[fi]
-            if fi not in gaps:
-                gaps[fi] = storage.read_all(_gaps_uri(layout, fi))
-                writers[fi] = _writer(storage, f, doc, held_uri(layout, fi))
-            h = xxhash.xxh3_128()
-            for offset, n, span, at in _pieces(f, start, end):
-                if span is None:
-                    piece = memoryview(gaps[fi])[at : at + n]
+        try:
+            for fi, start, end in doc["parts"][index]:
+                f = files[fi]
+                if fi not in gaps:
+                    gaps[fi] = storage.read_all(_gaps_uri(layout, fi))
+                    writers[fi] = _writer(storage, f, doc, held_uri(layout, fi))
+                h = xxhash.xxh3_128()
+                for offset, n, span, at in _pieces(f, start, end):
+                    if span is None:
+                        piece = memoryview(gaps[fi])[at : at + n]
+                    else:
+                        if current is None or current[0] != span.source:
+                            if cancelled is not None and cancelled():
+                                raise Cancelled("cancelled by request; nothing was published")
+                            current = None  # drop the previous value before reading the next
+                            value = compute(steps[span.source], read)
+                            digests[span.source] = value_digest(value)
+                            current = (span.source, value_bytes(value), value)
+                            tensors += 1
+                        piece = span_bytes(f, span, current[1], crcs)[at : at + n]
+                    writers[fi].write_at(offset, piece)
+                    h.update(piece)
+                    written += n
+                    if runner is not None:
+                        runner.report(index, tensors, written)
+                recorded.append([fi, start, end, h.hexdigest()])
+            current = None
+            uploaded, blocks = {}, {}
+            for fi, w in writers.items():
+                if not isinstance(w, LocalPatch):
+                    uploaded[str(fi)] = w.flush(files[fi].size)
+                    # Hashed as they went out: the commit composes the file's block digest from these.
+                    blocks[str(fi)] = w.blocks.hashed()
                 else:
-                    if current is None or current[0] != span.source:
-                        if cancelled is not None and cancelled():
-                            raise Cancelled("cancelled by request; nothing was published")
-                        current = None  # drop the previous value before reading the next
-                        value = compute(steps[span.source], read)
-                        digests[span.source] = value_digest(value)
-                        current = (span.source, value_bytes(value), value)
-                        tensors += 1
-                    piece = span_bytes(f, span, current[1], crcs)[at : at + n]
-                writers[fi].write_at(offset, piece)
-                h.update(piece)
-                written += n
-                if runner is not None:
-                    runner.report(index, tensors, written)
-            recorded.append([fi, start, end, h.hexdigest()])
-        current = None
-        uploaded, blocks = {}, {}
-        for fi, w in writers.items():
-            if not isinstance(w, LocalPatch):
-                uploaded[str(fi)] = w.flush(files[fi].size)
-                # Hashed as they went out: the commit composes the file's block digest from these.
-                blocks[str(fi)] = w.blocks.hashed()
-            else:
-                w.close(sync=True)
-    except BaseException:
-        # Before the lease goes: an upload part still in flight would reach the store after
-        # another attempt took the part over.
-        for w in writers.values():
-            if isinstance(w, LocalPatch):
-                w.close(sync=False)
-            else:
-                w.stop()
-        raise
-    finally:
-        fetcher.stop()
-        src.raw_reads = raw_before
+                    w.close(sync=True)
+        except BaseException:
+            # Before the lease goes: an upload part still in flight would reach the store after
+            # another attempt took the part over.
+            for w in writers.values():
+                if isinstance(w, LocalPatch):
+                    w.close(sync=False)
+                else:
+                    w.stop()
+            raise
+        finally:
+            fetcher.stop()
     mismatches = check_written(_sub_plan(plan, digests), digests, read_digests).mismatches
     if mismatches:
         raise VerificationFailed(f"part {index}: " + "; ".join(mismatches[:5]), mismatches=mismatches[:50])

@@ -57,30 +57,28 @@ def _prepare(
     sink.check(entries)
     digests: dict[str, str] = {}
     read_digests: dict[str, str] = {}
-    raw_before, src.raw_reads = src.raw_reads, sink.accepts_raw  # as the single-worker executor reads
-    try:
-        sink.begin(entries, plan.spec)
-        placed = sink.placed_keys()
-        for step in plan.steps:
-            if step.out.kind == "link":
-                continue
-            if step.out.key in placed:
-                if step.out.nbytes == 0:  # no byte of any part holds it: checked here
-                    digests[step.out.key] = value_digest(compute(step, _reading(src, read_digests)))
-                sink.reserve(step.out.key)
-                continue
-            value = compute(step, _reading(src, read_digests))
-            sink.write(step.out.key, value)
-            digests[step.out.key] = value_digest(value)
-            del value
-        files = sink.finish_skeleton()
-        side = sink.side_files()
-        late = sink.late_recipe()
-    except BaseException:
-        sink.abort()
-        raise
-    finally:
-        src.raw_reads = raw_before
+    with src.reading_raw(sink.accepts_raw):  # as the single-worker executor reads
+        try:
+            sink.begin(entries, plan.spec)
+            placed = sink.placed_keys()
+            for step in plan.steps:
+                if step.out.kind == "link":
+                    continue
+                if step.out.key in placed:
+                    if step.out.nbytes == 0:  # no byte of any part holds it: checked here
+                        digests[step.out.key] = value_digest(compute(step, _reading(src, read_digests)))
+                    sink.reserve(step.out.key)
+                    continue
+                value = compute(step, _reading(src, read_digests))
+                sink.write(step.out.key, value)
+                digests[step.out.key] = value_digest(value)
+                del value
+            files = sink.finish_skeleton()
+            side = sink.side_files()
+            late = sink.late_recipe()
+        except BaseException:
+            sink.abort()
+            raise
     for rel, data in extra_files.items():  # written whole, as a single-worker run writes them
         uri = storage.join(layout.staging, rel)
         storage.write_bytes(uri, data)
