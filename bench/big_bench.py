@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.convert_bench import ROOT, drop_caches, generate_in_child, llama_shapes, parse_size
+from bench.convert_bench import ROOT, compile_sources, drop_caches, generate_in_child, llama_shapes, parse_size
 
 CKPTCONV = [sys.executable, "-m", "ckptconv"]
 
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     src = work / "llama-big"
     t0 = time.perf_counter()
     generate_in_child(src, size, parse_size(args.shard_size))
+    compile_sources()
     shards = sorted(src.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in shards)
     largest = max(2 * n for n in (_numel(s) for _, s in llama_shapes(size)))

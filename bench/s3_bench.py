@@ -35,7 +35,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench.convert_bench import _numel, drop_caches, generate_in_child, llama_shapes, parse_size, run_measured
+from bench.convert_bench import (
+    _numel,
+    compile_sources,
+    drop_caches,
+    generate_in_child,
+    llama_shapes,
+    parse_size,
+    run_measured,
+)
 from bench.ports import free_port
 from bench.workers import Service
 
@@ -52,6 +60,12 @@ def planned_peak(printed: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return memory.get("estimated_peak_bytes")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def over(peak: int, estimate: int | None) -> str:
@@ -129,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     src = work / f"llama-{args.size.lower()}"
     print(f"generating a synthetic Llama-style bf16 checkpoint of about {size / 1e9:.2f} GB in {src} ...", flush=True)
     generate_in_child(src, size, parse_size(args.shard_size))
+    compile_sources()
     files = sorted(p for p in src.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
     largest = max(2 * _numel(s) for _, s in llama_shapes(size))
@@ -181,9 +196,20 @@ def main(argv: list[str] | None = None) -> int:
             if not name.startswith("s5cmd"):
                 cmd = [*cmd, "--no-progress", "--json"]
             drop_caches()
+            served = cpu_seconds(server.pid)
             wall, peak = run_measured(cmd, stdout=printed)
+            served = cpu_seconds(server.pid) - served
             estimate = planned_peak(printed) if not name.startswith("s5cmd") else None
-            results.append({"case": name, "wall_s": wall, "peak_rss": peak, "estimate": estimate, "baseline": baseline})
+            results.append(
+                {
+                    "case": name,
+                    "wall_s": wall,
+                    "peak_rss": peak,
+                    "estimate": estimate,
+                    "baseline": baseline,
+                    "s3_cpu_s": served,
+                }
+            )
             print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, estimate)}", flush=True)
         if fanout:
             service = Service(work / "service-logs", dict(os.environ))
@@ -191,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n in fanout:
                     name = f"fan-out s3 st -> s3 cs-h5, {n} worker{'s' if n > 1 else ''}"
                     drop_caches()
+                    served = cpu_seconds(server.pid)
                     wall, peak = service.run(
                         f"{s3}/src/model.safetensors.index.json",
                         f"{s3}/fan{n}/model.mdl",
@@ -198,8 +225,16 @@ def main(argv: list[str] | None = None) -> int:
                         workers=n,
                         parallelism=n,
                     )
+                    served = cpu_seconds(server.pid) - served
                     results.append(
-                        {"case": name, "wall_s": wall, "peak_rss": peak, "estimate": None, "baseline": "down+up"}
+                        {
+                            "case": name,
+                            "wall_s": wall,
+                            "peak_rss": peak,
+                            "estimate": None,
+                            "baseline": "down+up",
+                            "s3_cpu_s": served,
+                        }
                     )
                     print(f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB", flush=True)
             finally:
@@ -220,17 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         f" {largest / 1e6:.0f} MB; S3: s3rver {S3RVER_VERSION} on loopback; page cache"
         f" {'dropped' if dropped else 'NOT dropped (not root)'} before each case"
     )
-    print(f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'peak RSS':>9} {'estimate':>9}")
+    print(
+        f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'S3 CPU':>7} {'busy':>5}"
+        f" {'peak RSS':>9} {'estimate':>9}"
+    )
     for r in results:
         b = r["baseline"]
         ratio = f"{r['wall_s'] / base[b]:>5.2f}x" if b else ""
         estimate = f"{r['estimate'] / 1e6:>7.0f}MB" if r["estimate"] else ""
         print(
             f"{r['case']:<44} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
-            f" {r['peak_rss'] / 1e6:>7.0f}MB {estimate:>9}{over(r['peak_rss'], r['estimate'])}"
+            f" {r['s3_cpu_s']:>6.2f}s {r['s3_cpu_s'] / r['wall_s']:>4.0%} {r['peak_rss'] / 1e6:>7.0f}MB"
+            f" {estimate:>9}{over(r['peak_rss'], r['estimate'])}"
         )
     print("estimate: the run's own plan (memory.estimated_peak_bytes: twice its largest tensor, its upload buffers")
-    print("on S3 and 300 MiB), printed by each conversion; the fan-out cases print none")
+    print("on S3 and 300 MiB), printed by each conversion; the fan-out cases print none. S3 CPU: the s3rver")
+    print("process's CPU time during the case; busy: that over the wall time (its JavaScript runs on one thread:")
+    print("near 100%, the server, not its client, sets the pace)")
     if args.json:
         print(json.dumps({"bytes": total, "largest_tensor": largest, "results": results}, indent=2))
     return 0
