@@ -226,6 +226,48 @@ def test_sigterm_stops_every_process(serve: Serve) -> None:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+def gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_sigquit_stops_every_process(serve: Serve) -> None:
+    # By default it ended the supervisor alone (its processes serving on, with nobody to stop them).
+    pids = serve.wait_started(2)
+    serve.proc.send_signal(signal.SIGQUIT)
+    assert serve.proc.wait(60) == 0
+    assert all(gone(pid) for pid in pids)
+
+
+def test_sigusr1_and_sigusr2_change_nothing(serve: Serve) -> None:
+    # Sent to the supervisor or to the whole process group (as a terminal or `kill -- -PGID` sends
+    # them), they ended the processes by default.
+    pids = serve.wait_started(2)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        for pid in [serve.proc.pid, *pids]:
+            os.kill(pid, sig)
+    time.sleep(1.0)
+    assert serve.proc.poll() is None, serve.log.read_text(errors="replace")
+    assert serve.children() == pids
+    for c in connect(serve.port, 4):  # still served
+        c.close()
+    assert "Received SIGUSR1; ignored" in serve.log.read_text(errors="replace")
+
+
+def test_api_processes_stop_when_their_supervisor_is_killed(serve: Serve) -> None:
+    pids = serve.wait_started(2)
+    serve.proc.kill()  # SIGKILL: the supervisor can do nothing for its processes
+    serve.proc.wait(10)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(pid) for pid in pids), "API processes went on serving without their supervisor"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_sighup_restarts_every_process_and_the_server_keeps_serving(serve: Serve) -> None:
     before = serve.wait_started(2)
     serve.proc.send_signal(signal.SIGHUP)  # by default it ended the parent alone, its processes serving on

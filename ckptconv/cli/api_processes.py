@@ -14,6 +14,13 @@ much at worst. A sibling that is starting, shutting down or dead is not waited f
 event loop has not run for ``STALE_SECONDS`` (each process notes in shared memory when its loop last
 ran); one that has not run for ``HANG_SECONDS`` (stopped, deadlocked) is killed. A process that
 dies is started again in its slot; SIGHUP restarts them all, one at a time.
+
+Signals to the supervisor: SIGINT, SIGTERM and SIGQUIT stop every process gracefully (each finishes
+the requests under way; one still running after uvicorn's graceful-shutdown timeout is killed);
+SIGHUP restarts them; SIGUSR1 and SIGUSR2 are logged and ignored, here and in the API processes (a
+signal sent to the whole process group must not end them), as uvicorn's own supervisor ignores
+them. An API process whose supervisor is gone (killed with SIGKILL, say) stops by itself, as if it
+had received SIGTERM: it is never left serving with no one to restart or stop it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import time
@@ -41,6 +49,9 @@ STALE_SECONDS = 0.5  # a sibling whose loop has not run for this long is not wai
 HANG_SECONDS = 30.0  # a serving process whose loop has not run for this long is killed and replaced
 QUICK_DEATHS = 3  # processes that die this many times in a row within STARTUP_SECONDS: give up
 STARTUP_SECONDS = 10.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+# Nothing in these processes reopens or reloads anything; by default they would end the process.
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Slots:
@@ -222,9 +233,18 @@ class BalancedServer(uvicorn.Server):
     """uvicorn's server for one of the N processes: uvicorn starts the application (lifespan, state)
     with no socket of its own, and the :class:`Acceptor` feeds it connections."""
 
-    def __init__(self, config: uvicorn.Config, slots: Slots, slot: int) -> None:
+    def __init__(self, config: uvicorn.Config, slots: Slots, slot: int, supervisor: int | None = None) -> None:
         super().__init__(config)
         self._slots, self._slot = slots, slot
+        self._supervisor = supervisor  # its pid: once the parent is another process, it is gone
+
+    async def on_tick(self, counter: int) -> bool:
+        # Checked every tick (0.1 s): an orphan that went on serving would take connections nobody
+        # can stop, and would hold the port against the next supervisor.
+        if not self.should_exit and self._supervisor is not None and os.getppid() != self._supervisor:
+            log.error("the supervisor [%d] is gone; stopping", self._supervisor)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.server_state.connections = CountedConnections(self._slots, self._slot)
@@ -248,25 +268,32 @@ class BalancedServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
-def _run_process(config: uvicorn.Config, listener: socket.socket, slots: Slots, slot: int) -> None:
+def _run_process(config: uvicorn.Config, listener: socket.socket, slots: Slots, slot: int, supervisor: int) -> None:
     config.configure_logging()
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    server = BalancedServer(config, slots, slot, supervisor)
+    # uvicorn handles SIGINT and SIGTERM only; SIGQUIT (to the process group, say) is a stop as well.
+    signal.signal(signal.SIGQUIT, server.handle_exit)
     with contextlib.suppress(KeyboardInterrupt):
-        BalancedServer(config, slots, slot).run(sockets=[listener])
+        server.run(sockets=[listener])
 
 
 def serve(config: uvicorn.Config, *, hang_seconds: float = HANG_SECONDS) -> int:
-    """Run ``config.workers`` API processes until SIGINT or SIGTERM (SIGHUP restarts them one at a
-    time); returns the exit status."""
+    """Run ``config.workers`` API processes until SIGINT, SIGTERM or SIGQUIT (SIGHUP restarts them
+    one at a time); returns the exit status."""
     listener = config.bind_socket()
     ctx = multiprocessing.get_context("spawn")
     slots = Slots(ctx, config.workers)
     counts, beats = slots.counts, slots.beats
     stopping: list[int] = []
     restarts: list[int] = []
+    ignored: list[int] = []
+    supervisor = os.getpid()
 
     def start(slot: int) -> multiprocessing.process.BaseProcess:
         counts[slot] = NOT_SERVING
-        process = ctx.Process(target=_run_process, args=(config, listener, slots, slot), name=f"api-{slot}")
+        process = ctx.Process(target=_run_process, args=(config, listener, slots, slot, supervisor), name=f"api-{slot}")
         process.start()
         log.info("Started API process %d [%d]", slot, process.pid)
         return process
@@ -277,7 +304,11 @@ def serve(config: uvicorn.Config, *, hang_seconds: float = HANG_SECONDS) -> int:
     def restart(sig: int, frame: Any) -> None:
         restarts.append(sig)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def ignore(sig: int, frame: Any) -> None:
+        ignored.append(sig)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    previous.update({sig: signal.signal(sig, ignore) for sig in IGNORED_SIGNALS})
     # SIGHUP restarts the processes, as in uvicorn's mode; by default it would end this process alone
     # and leave the API processes serving with no one to restart or stop them.
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, restart)
@@ -290,6 +321,8 @@ def serve(config: uvicorn.Config, *, hang_seconds: float = HANG_SECONDS) -> int:
     try:
         while not stopping:
             time.sleep(0.2)
+            while ignored:
+                log.info("Received %s; ignored", signal.Signals(ignored.pop()).name)
             if restarts:
                 restarts.clear()
                 log.info("Received SIGHUP, restarting the API processes one at a time")
