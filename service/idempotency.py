@@ -9,11 +9,14 @@ A key is scoped to the API key that sent it and remembered for ``idempotency_ttl
 
 Job creation records its response in the same Redis script that creates the job (there is no
 window in which it is "in flight"); other requests claim the key first, then store the response
-(2xx and 4xx are stored; after a 5xx the claim is released so that a retry runs again).
+(2xx and 4xx are stored; after a 5xx the claim is released so that a retry runs again). A claim
+holds a token of its request: the claim sent again after its reply was lost (``service.multiplexer``
+resends the commands of a lost connection) finds its own token and is claimed, not "in flight".
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request, Response
@@ -51,7 +54,7 @@ async def idempotent(
     """Run ``produce`` at most once per key (see the module docstring)."""
     if record_key is None:
         return await produce()
-    stored = await state.store.idem_claim(record_key, fingerprint, PENDING_SECONDS)
+    stored = await state.store.idem_claim(record_key, fingerprint, PENDING_SECONDS, uuid.uuid4().hex)
     if stored[0] == "exists":
         return replay(stored, fingerprint)
     try:

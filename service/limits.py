@@ -7,7 +7,9 @@ request: it takes a share of the window's budget at once (a twentieth of the lim
 locally, and a key found over its limit is answered from memory until its window ends. Redis never
 grants more than the limit in a window, so the limit holds across any number of API processes; a
 share left unspent in one process when the window ends is lost (a key may get slightly less than
-its limit, never more). The hot path pays one Redis round trip per share, not per request.
+its limit, never more). The hot path pays one Redis round trip per share, not per request. A share
+whose reply was lost with its connection, and which was taken again when the command was resent
+(``service.multiplexer``), is lost the same way: one share of one window, never more than the limit.
 
 Redis connections: :class:`BoundedPool` (see there).
 

@@ -367,3 +367,100 @@ def test_a_submission_sent_again_after_its_reply_was_lost_is_created_once(server
 
     assert asyncio.run(scenario()) == [["created"], ["created"]]
     assert plain(server.url).llen(keys.queue("jobs")) == 1
+
+
+class ReplyDropper:
+    """A loopback TCP proxy to Redis that, once armed, closes the client's connection instead of
+    relaying the next reply: Redis ran the command, its reply is lost with the connection."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.armed = False
+        self.dropped = 0
+        self.server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, replies: bool) -> None:
+            while data := await src.read(65536):
+                if replies and self.armed:
+                    self.armed = False
+                    self.dropped += 1
+                    break
+                dst.write(data)
+            client_w.close()
+            redis_w.close()
+
+        await asyncio.gather(pump(client_r, redis_w, False), pump(redis_r, client_w, True), return_exceptions=True)
+
+    def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def sent_again_after_a_lost_reply(server: PrivateRedis, keys: Any, call: Any) -> list[Any]:
+    """``call(store, target, token)`` on ``warm`` (its script is then loaded), then on ``lost`` with
+    its reply lost (Redis ran it; the retry policy sends it again), on ``lost`` again with the same
+    token, and with another token: the last three answers."""
+    from ckptconv.core.jobstore import AsyncJobStore
+
+    async def scenario() -> list[Any]:
+        proxy = ReplyDropper(server.port)
+        await proxy.start()
+        r = client(proxy.url)
+        store = AsyncJobStore(r, keys)
+        try:
+            await call(store, "warm", "token-w")
+            proxy.armed = True
+            answers = [await call(store, "lost", token) for token in ("token-a", "token-a", "token-b")]
+            assert proxy.dropped == 1
+            return answers
+        finally:
+            await r.aclose()
+            proxy.close()
+
+    return asyncio.run(scenario())
+
+
+def test_an_idempotency_claim_sent_again_after_its_reply_was_lost_is_still_claimed(server: PrivateRedis) -> None:
+    # The claim runs in Redis, its reply is lost with the connection, and the retry policy sends it
+    # again: the resend finds the claim it made itself, which must not answer 409 "in flight" to the
+    # request that holds it. Another request's claim on the same key is still in flight.
+    from ckptconv.core.jobstore import RedisKeys
+
+    keys = RedisKeys("mux-claim:")
+    plain(server.url).delete(keys.idempotency("o", "warm"), keys.idempotency("o", "lost"))
+
+    async def claim(store: Any, name: str, token: str) -> list[str]:
+        return await store.idem_claim(keys.idempotency("o", name), "fp", 60, token)
+
+    first, again, other = sent_again_after_a_lost_reply(server, keys, claim)
+    assert first == ["claimed"]  # the first call's own answer, given by its resend
+    assert again == ["claimed"]  # the script driven once more with the same token
+    assert other[:3] == ["exists", "fp", "pending"]
+
+
+def test_a_cancellation_sent_again_after_its_reply_was_lost_answers_cancelled(server: PrivateRedis) -> None:
+    # A queued job cancelled by a call whose reply was lost: the resend must answer "cancelled" (the
+    # API then sends the job's webhook), not "unchanged" as to a second cancellation.
+    from ckptconv.core.jobstore import RedisKeys
+
+    keys = RedisKeys("mux-cancel:")
+    r0 = plain(server.url)
+    for job in ("warm", "lost"):
+        r0.delete(keys.job(job), keys.events(job))
+        r0.hset(keys.job(job), mapping={"state": "queued", "owner": "o"})
+
+    async def cancel(store: Any, job: str, token: str) -> tuple[str, str]:
+        return await store.cancel(job, "o", {}, token)
+
+    first, again, other = sent_again_after_a_lost_reply(server, keys, cancel)
+    assert first == again == ("cancelled", "queued")
+    assert other == ("unchanged", "cancelled")
+    assert r0.xlen(keys.events("lost")) == 1  # cancelled once

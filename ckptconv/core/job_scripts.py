@@ -122,16 +122,20 @@ redis.call('HSET', KEYS[1], 'requeued_ms', ARGV[2])
 return 1
 """
 
-# KEYS: job, events. ARGV: prefix, id, owner, now_ms, retention_ms, error_json
+# A job cancelled while queued keeps the token of the call that cancelled it: that call, sent again
+# after its reply was lost, answers 'cancelled' again (its caller then sends the job's webhook, which
+# 'unchanged' would skip).
+# KEYS: job, events. ARGV: prefix, id, owner, now_ms, retention_ms, error_json, token
 CANCEL_LUA = (
     _LUA_COMMON
     + """
-local meta = redis.call('HMGET', KEYS[1], 'state', 'owner')
+local meta = redis.call('HMGET', KEYS[1], 'state', 'owner', 'cancel_token')
 if not meta[1] or meta[2] ~= ARGV[3] then return {'missing', ''} end
+if meta[3] == ARGV[7] then return {'cancelled', 'queued'} end
 local now = tonumber(ARGV[4])
 if meta[1] == 'queued' then
   transition(ARGV[1], KEYS[1], KEYS[2], ARGV[2], {queued=true}, 'cancelled', now, tonumber(ARGV[5]), 0,
-             {'finished_ms', ARGV[4], 'error', ARGV[6], 'cancel_requested', '1'})
+             {'finished_ms', ARGV[4], 'error', ARGV[6], 'cancel_requested', '1', 'cancel_token', ARGV[7]})
   return {'cancelled', 'queued'}
 elseif meta[1] == 'running' then
   transition(ARGV[1], KEYS[1], KEYS[2], ARGV[2], {running=true}, 'cancelling', now, 0, 0, {'cancel_requested', '1'})
@@ -191,13 +195,17 @@ return {'created'}
 """
 
 # Idempotency for requests other than job creation: claim, then complete or release.
-# KEYS: idempotency. ARGV: fingerprint, pending_ttl_ms
+# Each request claims with a token of its own: a pending claim that holds the caller's token was made
+# by this same call, sent again after its reply was lost (a lost shared connection resends every
+# command written on it), and is answered 'claimed' again rather than "in flight" to its claimant.
+# KEYS: idempotency. ARGV: fingerprint, pending_ttl_ms, token
 IDEM_CLAIM_LUA = """
-local prev = redis.call('HMGET', KEYS[1], 'fp', 'status', 'code', 'body', 'location')
+local prev = redis.call('HMGET', KEYS[1], 'fp', 'status', 'code', 'body', 'location', 'claim')
 if prev[1] then
+  if prev[2] == 'pending' and prev[6] == ARGV[3] then return {'claimed'} end
   return {'exists', prev[1], prev[2] or '', prev[3] or '', prev[4] or '', prev[5] or ''}
 end
-redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'status', 'pending')
+redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'status', 'pending', 'claim', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {'claimed'}
 """

@@ -313,10 +313,13 @@ class AsyncJobStore:
         rec = decode(await self.r.hgetall(self.keys.job(job_id)))
         return rec or None
 
-    async def cancel(self, job_id: str, owner: str, error: dict[str, Any]) -> tuple[str, str]:
+    async def cancel(self, job_id: str, owner: str, error: dict[str, Any], token: str) -> tuple[str, str]:
+        """``(outcome, previous state)``: ``cancelled``, ``cancelling``, ``unchanged`` or ``missing``.
+        ``token`` is the caller's own (unique per request): the call sent again after its reply was
+        lost answers as the first did."""
         status, previous = await self._cancel(
             keys=[self.keys.job(job_id), self.keys.events(job_id)],
-            args=[self.keys.p, job_id, owner, now_ms(), self.retention_ms, json.dumps(error)],
+            args=[self.keys.p, job_id, owner, now_ms(), self.retention_ms, json.dumps(error), token],
         )
         return as_str(status), as_str(previous)
 
@@ -378,8 +381,12 @@ class AsyncJobStore:
                 return found, None
         return found, position
 
-    async def idem_claim(self, key: str, fingerprint: str, pending_seconds: float) -> list[str]:
-        return [as_str(x) for x in await self._claim(keys=[key], args=[fingerprint, int(pending_seconds * 1000)])]
+    async def idem_claim(self, key: str, fingerprint: str, pending_seconds: float, token: str) -> list[str]:
+        """``["claimed"]``, or ``["exists", fingerprint, status, code, body, location]`` for a key already
+        claimed by another call. ``token`` is the caller's own (unique per request): the call sent again
+        after its reply was lost finds its own claim and answers ``["claimed"]`` again."""
+        args = [fingerprint, int(pending_seconds * 1000), token]
+        return [as_str(x) for x in await self._claim(keys=[key], args=args)]
 
     async def idem_complete(self, key: str, code: int, body: str, location: str, ttl_seconds: int) -> None:
         pipe = self.r.pipeline(transaction=True)

@@ -13,6 +13,7 @@ import base64
 import binascii
 import json
 import re
+import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -248,7 +249,7 @@ async def cancel_job(job_id: JobId, request: Request) -> Response:
     state, caller = call.state, call.caller
     await _owned(state, caller, job_id)
     error = Cancelled("cancelled by request before the job ran").to_problem()
-    outcome, previous = await state.store.cancel(job_id, caller.id, error)
+    outcome, previous = await state.store.cancel(job_id, caller.id, error, uuid.uuid4().hex)
     if outcome == "missing":
         raise NotFound(f"no job {job_id}")
     if outcome == "unchanged" and previous not in ("cancelling", "cancelled"):
