@@ -24,7 +24,7 @@ from service import problems
 from service.deps import BEARER_SCHEME, AppState
 from service.edges import EdgesFirst
 from service.hot import HotPaths
-from service.limits import BoundedPool, RateLimiter, StreamSlots
+from service.limits import BoundedPool, RateLimiter, StreamSlots, redis_retry
 from service.multiplexer import MultiplexedRedis
 from service.queue import TaskMessages
 from service.routes import catalog, dashboard, health, jobs, models, plans
@@ -78,8 +78,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: EdgesFirst) -> AsyncIterator[None]:
         import redis.asyncio
-        from redis.asyncio.retry import Retry
-        from redis.backoff import ExponentialBackoff
 
         def client(max_connections: int, kind: type[redis.asyncio.Redis] = redis.asyncio.Redis) -> Any:
             # After a Redis restart every pooled connection is dead; without a retry each one failed
@@ -93,7 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 socket_connect_timeout=5,
                 max_connections=max_connections,
                 timeout=settings.redis_pool_timeout_seconds,
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                retry=redis_retry(),
                 retry_on_error=[redis.exceptions.ConnectionError],
             )
             return kind.from_pool(pool)

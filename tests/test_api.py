@@ -247,6 +247,22 @@ def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     assert_problem(api.client.post("/v1/plans", json=body, headers=h), 503, "worker_timeout")
 
 
+def test_the_api_reconnects_to_redis_after_jittered_waits(api) -> None:
+    # When Redis drops every client at once, the API's commands (and its processes) must not all
+    # reconnect and resend at the same instants: each wait of the retry policy is drawn at random.
+    state = api.client.app.ckptconv
+    policies = [
+        state.redis._mux.retry,  # the multiplexed short commands
+        state.redis.connection_pool.connection_kwargs["retry"],  # the short commands' pool
+        state.blocking_redis.connection_pool.connection_kwargs["retry"],
+    ]
+    for policy in policies:
+        for failures, (low, high) in {1: (0.05, 0.1), 2: (0.1, 0.2), 3: (0.2, 0.4)}.items():
+            waits = [policy._backoff.compute(failures) for _ in range(200)]
+            assert low <= min(waits) and max(waits) <= high
+            assert len(set(waits)) > 150, (type(policy._backoff).__name__, failures, sorted(set(waits))[:3])
+
+
 # --- authentication and scopes ----------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from conftest import PrivateRedis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from service.limits import BoundedPool
+from service.limits import BoundedPool, redis_retry
 from service.multiplexer import MultiplexedRedis
 
 # A command that needs every connection a test's server has (the default is to refuse DEBUG).
@@ -52,7 +52,7 @@ def client(url: str, *, max_connections: int = 8, pool_timeout: float = 5, retri
         socket_connect_timeout=5,
         max_connections=max_connections,
         timeout=pool_timeout,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+        retry=Retry(redis_retry()._backoff, retries),
         retry_on_error=[redis.exceptions.ConnectionError],
         **kwargs,
     )
