@@ -61,7 +61,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             if "401" in responses:  # service.edges: every authenticated route answers these two
                 op["security"] = [{"bearer": []}]
                 responses.setdefault("429", problem_responses(429)[429])
-            if "requestBody" in op:
+            if "requestBody" in op:  # service.edges: a body too large, or not received in time
+                responses.setdefault("408", problem_responses(408)[408])
                 responses.setdefault("413", problem_responses(413)[413])
             for code, response in op.get("responses", {}).items():
                 if code == "default" or int(code) >= 400:

@@ -6,6 +6,8 @@
   request is authenticated once.
 - A body larger than ``max_body_bytes`` answers 413: at once when ``Content-Length`` says so, else
   (chunked bodies) as soon as the bytes received pass the limit; the rest is never read.
+- A body not received whole ``body_read_timeout_seconds`` after the request began answers 408 and
+  closes the connection (the server waits without limit for a body a client stopped sending).
 
 This is done by the application itself (:class:`EdgesFirst`, the FastAPI app the server runs), in
 front of FastAPI's own middleware stack, which each request would otherwise pay for (every layer
@@ -22,6 +24,7 @@ instrumentation, which is inactive in this service (no OpenTelemetry SDK is inst
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
@@ -73,7 +76,7 @@ class EdgesFirst(FastAPI):
         try:
             state: AppState = self.ckptconv  # type: ignore[assignment]  # None before startup: a 500 below
             limit = state.settings.max_body_bytes
-            receive = _bounded(receive, limit)
+            receive = _bounded(receive, limit, state.settings.body_read_timeout_seconds)
             answer = await _refusal(state, scope, limit)
             if answer is None:
                 handler = self.hot.handler(scope) if self.hot is not None else None
@@ -135,17 +138,35 @@ async def _refusal(state: AppState, scope: dict[str, Any], limit: int) -> Respon
     return None
 
 
-def _bounded(receive: Any, limit: int) -> Any:
+def _bounded(receive: Any, limit: int, seconds: float) -> Any:
+    """``receive``, refusing a body of more than ``limit`` bytes (413) or one not received whole
+    ``seconds`` from now (408). Once the body is whole, what follows (the client's disconnect, which
+    an event stream waits for) is waited for without limit."""
     seen = 0
+    whole = False
+    deadline = asyncio.get_running_loop().time() + seconds
 
     async def bounded_receive() -> dict[str, Any]:
-        nonlocal seen
-        message = await receive()
+        nonlocal seen, whole
+        if whole:
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            # The connection closes after the answer: the rest of the body would be read as the
+            # next request, and the client has shown it may never send it.
+            raise HTTPException(
+                408, detail=f"the request body was not received within {seconds:g} s", headers={"Connection": "close"}
+            ) from None
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
                 # FastAPI passes HTTPException through its body parsing; service.problems renders it.
                 raise HTTPException(413, detail=f"the request body exceeds this service's limit of {limit} bytes")
+            whole = not message.get("more_body", False)
+        else:
+            whole = True  # the client left
         return message
 
     return bounded_receive

@@ -27,6 +27,7 @@ _BY_STATUS: dict[int, type[errors.CkptconvError]] = {
     403: errors.Forbidden,
     404: errors.NotFound,
     405: errors.MethodNotAllowed,
+    408: errors.BodyTimeout,  # the only 408 raised as an HTTPException (service.edges)
     409: errors.Conflict,
     413: errors.PayloadTooLarge,
     422: errors.InvalidRequest,

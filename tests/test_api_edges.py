@@ -187,6 +187,35 @@ def test_a_50_mib_body_is_never_read(served: SimpleNamespace) -> None:
     assert status.startswith(b"HTTP/1.1 413") and sent < fifty
 
 
+def test_a_body_that_stops_arriving_is_408_and_its_connection_closed(
+    redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    # A client that declares 1000 bytes, sends 10 and stops would hold its connection (and a file
+    # descriptor of the server) forever: it is answered 408 and the server closes the connection.
+    key = f"ckc_slow-{uuid.uuid4().hex}"
+    env = {"CKPTCONV_BODY_READ_TIMEOUT_SECONDS": "1"}
+    with api_process(redis_url, tmp_path, prefix, {key: ["s3://bucket/team/"]}, env) as url:
+        where = urlsplit(url)
+        for path in ("/v1/jobs", "/v1/plans"):  # the hot path (service.hot), and FastAPI's routes
+            head = [f"POST {path} HTTP/1.1", f"Host: {where.netloc}", "Content-Type: application/json"]
+            head += [f"Authorization: Bearer {key}", "Content-Length: 1000"]
+            sock = socket.create_connection((where.hostname, where.port), timeout=10)
+            try:
+                started = time.monotonic()
+                sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + b'{"kind": "')
+                answer = b""
+                while chunk := sock.recv(65536):  # until the server closes (a timeout fails the test)
+                    answer += chunk
+                elapsed = time.monotonic() - started
+            finally:
+                sock.close()
+            status, _, body = answer.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 408"), answer
+            assert b"connection: close" in status.lower() and b"application/problem+json" in status
+            assert json.loads(body)["code"] == "body_timeout"
+            assert 0.9 < elapsed < 8, (path, elapsed)
+
+
 @contextlib.contextmanager
 def _stream(url: str, headers: dict[str, str]) -> Iterator[httpx.Response]:
     with httpx.Client(timeout=httpx.Timeout(30.0)) as c, c.stream("GET", url, headers=headers) as r:

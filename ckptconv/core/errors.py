@@ -202,6 +202,15 @@ class PayloadTooLarge(CkptconvError):
     title = "Request body too large"
 
 
+class BodyTimeout(CkptconvError):
+    """The request's body did not arrive within ``body_read_timeout_seconds`` of its head."""
+
+    code = "body_timeout"
+    http_status = 408
+    title = "Request body not received in time"
+    default_hint = "send the whole body at once, as soon as the request's headers"
+
+
 class RateLimited(CkptconvError):
     """Too many requests for this API key; ``retry_after`` (seconds) becomes the Retry-After header."""
 

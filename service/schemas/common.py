@@ -67,7 +67,7 @@ def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         403: "The API key may not access a URI of the request",
         404: "No such resource (or it belongs to another API key)",
         405: "Method not allowed",
-        408: "Time limit exceeded",
+        408: "Time limit exceeded, or the request body was not received in time",
         409: "Conflict with the resource's current state, or a request with this Idempotency-Key is in flight",
         413: "Request body too large",
         422: "Invalid request (validation errors, or an Idempotency-Key reused with a different body)",
