@@ -216,6 +216,57 @@ def test_a_body_that_stops_arriving_is_408_and_its_connection_closed(
             assert 0.9 < elapsed < 8, (path, elapsed)
 
 
+def _closed_by_server(sock: socket.socket) -> bool:
+    readable, _, _ = select.select([sock], [], [], 0)
+    try:
+        return bool(readable) and sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_connections_whose_request_head_does_not_arrive_are_closed(
+    redis_url: str, prefix: str, tmp_path: Path, workers: int
+) -> None:
+    # uvicorn waits for a head without limit: a connection that sends nothing, or a header line now
+    # and then (slowloris), was held forever. Both are closed; a prompt request is served.
+    env = {"CKPTCONV_HEAD_READ_TIMEOUT_SECONDS": "1"}
+    keys = {f"ckc_head-{uuid.uuid4().hex}": ["s3://bucket/team/"]}
+    with api_process(redis_url, tmp_path, prefix, keys, env, workers=workers) as url:
+        where = urlsplit(url)
+        idle = socket.create_connection((where.hostname, where.port), timeout=10)
+        drip = socket.create_connection((where.hostname, where.port), timeout=10)
+        try:
+            drip.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+            started = time.monotonic()
+            closed: dict[str, float] = {}
+            while len(closed) < 2 and time.monotonic() - started < 8:
+                time.sleep(0.25)
+                if "drip" not in closed:
+                    try:
+                        drip.sendall(b"X-Slow: 1\r\n")  # every line comes before uvicorn's keep-alive timeout
+                    except (BrokenPipeError, ConnectionResetError):
+                        closed["drip"] = time.monotonic() - started
+                    else:
+                        if _closed_by_server(drip):
+                            closed["drip"] = time.monotonic() - started
+                if "idle" not in closed and _closed_by_server(idle):
+                    closed["idle"] = time.monotonic() - started
+            assert set(closed) == {"idle", "drip"}, closed
+            assert all(0.75 < t < 4 for t in closed.values()), closed
+        finally:
+            idle.close()
+            drip.close()
+        with socket.create_connection((where.hostname, where.port), timeout=10) as prompt:
+            for _ in range(2):  # a keep-alive connection's next request is served as well
+                prompt.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+                answer = b""
+                while not answer.endswith(b"}"):  # the head, then the JSON body (maybe two reads)
+                    answer += prompt.recv(65536)
+                assert answer.startswith(b"HTTP/1.1 200")
+                time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def _stream(url: str, headers: dict[str, str]) -> Iterator[httpx.Response]:
     with httpx.Client(timeout=httpx.Timeout(30.0)) as c, c.stream("GET", url, headers=headers) as r:

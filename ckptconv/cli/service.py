@@ -151,6 +151,8 @@ def _settings() -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ckptconv.cli.http_protocol import HeadDeadlineProtocol
+
     if args.dev:
         os.environ["CKPTCONV_ENVIRONMENT"] = "development"
         os.environ["CKPTCONV_AUTH_DISABLED"] = "true"
@@ -165,7 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "access_log": args.access_log,
         "loop": "auto",
-        "http": "auto",
+        # uvicorn's httptools protocol (what "auto" picks) with a deadline on request heads.
+        "http": HeadDeadlineProtocol,
     }
     if args.workers > 1:
         from ckptconv.cli.api_processes import serve

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # A body not received whole this long after the request's head is refused (408, connection
     # closed): a client that stops sending would otherwise hold its connection forever.
     body_read_timeout_seconds: float = Field(default=30.0, gt=0)
+    # The same for a request's head, counted from the connection's opening or the previous response
+    # (ckptconv.cli.http_protocol): the connection is closed.
+    head_read_timeout_seconds: float = Field(default=30.0, gt=0)
     # Requests per API key per second, counted in Redis across every API process (429 beyond; 0: off).
     rate_limit_per_second: int = Field(default=100, ge=0)
     # Event streams (GET /v1/jobs/{id}/events) one API key may hold open at once, across processes.
