@@ -13,7 +13,9 @@ case as its own process with its peak RSS beside the peak its own plan estimated
 - the Llama layout s3 hf -> s3 cs-2.9 with ``convert-model`` (against download + upload);
 - one job fanned out (``parallelism`` N) over N worker processes of a private service (Redis, the
   API and the workers on loopback), s3 safetensors -> s3 cs-h5, for N = 1, 2, 4
-  (``--fanout-workers``); wall time from submit to the job's end, the largest worker peak RSS.
+  (``--fanout-workers``); wall time from submit to the job's end, the largest worker peak RSS;
+- the same from local disk to local disk (against ``cp`` of the shards, with ``sync``), where the
+  S3 server does not compete with the workers for the machine's cores.
 
 The page cache is dropped before each case when the machine allows it (root). Never measure
 throughput on moto: it reads a whole object for every ranged GET.
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     exe = [sys.executable, "-m", "ckptconv"]
     s5 = [s5cmd, "--endpoint-url", endpoint]
     down = work / "down"
+    copied = work / "copied"
     llama = ["--model", "llama"]
     try:
         # (name, command, baseline name or None)
@@ -212,43 +215,62 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, estimate)}", flush=True)
         if fanout:
+            # The same job fanned out from S3 to S3, then from local disk to local disk, where no S3
+            # server shares the machine's cores with the workers.
+            fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")]
+            fanned.append(("local st -> local cs-h5", str(src / "model.safetensors.index.json"), "cp"))
+            drop_caches()
+            shards = [str(p) for p in files if p.suffix == ".safetensors"]
+            copied.mkdir(parents=True, exist_ok=True)
+            wall, peak = run_measured(["cp", *shards, str(copied)])
+            results.append(
+                {
+                    "case": "cp (local -> local)",
+                    "wall_s": wall,
+                    "peak_rss": peak,
+                    "estimate": None,
+                    "baseline": None,
+                    "s3_cpu_s": None,  # S3 plays no part
+                }
+            )
+            print(f"  cp (local -> local): {wall:.2f}s", flush=True)
             service = Service(work / "service-logs", dict(os.environ))
             try:
-                for n in fanout:
-                    name = f"fan-out s3 st -> s3 cs-h5, {n} worker{'s' if n > 1 else ''}"
-                    drop_caches()
-                    served = cpu_seconds(server.pid)
-                    wall, peak = service.run(
-                        f"{s3}/src/model.safetensors.index.json",
-                        f"{s3}/fan{n}/model.mdl",
-                        to="cs-h5",
-                        workers=n,
-                        parallelism=n,
-                    )
-                    served = cpu_seconds(server.pid) - served
-                    results.append(
-                        {
-                            "case": name,
-                            "wall_s": wall,
-                            "peak_rss": peak,
-                            "estimate": None,
-                            "baseline": "down+up",
-                            "s3_cpu_s": served,
-                        }
-                    )
-                    print(f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB", flush=True)
+                for label, source, baseline in fanned:
+                    for n in fanout:
+                        name = f"fan-out {label}, {n} worker{'s' if n > 1 else ''}"
+                        where = f"{s3}/fan{n}" if source.startswith("s3://") else str(work / f"fan{n}")
+                        drop_caches()
+                        served = cpu_seconds(server.pid)
+                        wall, peak = service.run(source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n)
+                        served = cpu_seconds(server.pid) - served if source.startswith("s3://") else None
+                        results.append(
+                            {
+                                "case": name,
+                                "wall_s": wall,
+                                "peak_rss": peak,
+                                "estimate": None,
+                                "baseline": baseline,
+                                "s3_cpu_s": served,
+                            }
+                        )
+                        print(f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB", flush=True)
             finally:
                 service.stop()
     finally:
         server.terminate()
         server.wait()
         shutil.rmtree(work / "s3rver", ignore_errors=True)
-        shutil.rmtree(down, ignore_errors=True)
+        for d in (down, copied, *(work / f"fan{n}" for n in fanout)):
+            shutil.rmtree(d, ignore_errors=True)
         for p in (work / "out.mdl", work / "out.mdl.manifest.json"):
             if p.exists():
                 p.unlink()
     up, dn = results[0]["wall_s"], results[1]["wall_s"]
     base = {"upload": up, "download": dn, "down+up": up + dn}
+    for r in results:
+        if r["case"].startswith("cp "):
+            base["cp"] = r["wall_s"]
     print()
     print(
         f"checkpoint: {total / 1e9:.2f} GB of safetensors in {len(files) - 2} shards, largest tensor"
@@ -263,9 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         b = r["baseline"]
         ratio = f"{r['wall_s'] / base[b]:>5.2f}x" if b else ""
         estimate = f"{r['estimate'] / 1e6:>7.0f}MB" if r["estimate"] else ""
+        cpu = r["s3_cpu_s"]
+        served = "" if cpu is None else f"{cpu:>6.2f}s {cpu / r['wall_s']:>4.0%}"
         print(
             f"{r['case']:<44} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
-            f" {r['s3_cpu_s']:>6.2f}s {r['s3_cpu_s'] / r['wall_s']:>4.0%} {r['peak_rss'] / 1e6:>7.0f}MB"
+            f" {served:>14} {r['peak_rss'] / 1e6:>7.0f}MB"
             f" {estimate:>9}{over(r['peak_rss'], r['estimate'])}"
         )
     print("estimate: the run's own plan (memory.estimated_peak_bytes: twice its largest tensor, its upload buffers")
