@@ -476,3 +476,46 @@ def test_a_persistent_block_tries_at_least_its_attempts_whatever_the_budget() ->
     call, tries = failing(3)  # outside the block, the budget again
     with pytest.raises(ConnectionError):
         policy.run(call, transient=lambda e: True, what="x")
+
+
+def test_s3_multipart_publish_copies_only_the_object_it_checked(s3_bucket):
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage(multipart_copy_threshold=5 * MiB, copy_part_size=5 * MiB, max_attempts=1)
+    staged, final = f"s3://{s3_bucket}/stage/big", f"s3://{s3_bucket}/out/big"
+    data = os.urandom(11 * MiB)
+    storage.write_bytes(staged, data)
+    etag = storage.stat(staged).etag
+    copy_part, sent = storage.client.upload_part_copy, []
+
+    def recorded(**kwargs):
+        sent.append(kwargs)
+        return copy_part(**kwargs)
+
+    storage.client.upload_part_copy = recorded
+    storage.publish([(staged, final)])
+    assert storage.read_all(final) == data and len(sent) == 3
+    # Each part names the ETag publish checked: a store refuses the copy of an object replaced since.
+    assert [k.get("CopySourceIfMatch") for k in sent] == [f'"{etag}"'] * 3
+
+
+def test_s3_multipart_publish_refuses_a_staged_object_replaced_after_its_check(s3_bucket):
+    from ckptconv.core.errors import VerificationFailed
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage(multipart_copy_threshold=5 * MiB, copy_part_size=5 * MiB, max_attempts=1)
+    staged, final = f"s3://{s3_bucket}/stage/big", f"s3://{s3_bucket}/out/big"
+    storage.write_bytes(staged, os.urandom(11 * MiB))
+    stat = storage.stat
+
+    def replaced_after(uri: str):
+        info = stat(uri)
+        if uri == staged:  # same size, other bytes
+            storage.client.put_object(Bucket=s3_bucket, Key="stage/big", Body=os.urandom(11 * MiB))
+        return info
+
+    storage.stat = replaced_after
+    with pytest.raises(VerificationFailed, match="changed"):
+        storage.publish([(staged, final)])
+    assert not storage.exists(final)
+    assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []

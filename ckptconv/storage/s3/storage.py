@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 
 from botocore.exceptions import ClientError
 
-from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists
+from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists, VerificationFailed
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import s3_uri, split_s3
 from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, RangeReader, Storage, Writer
@@ -368,7 +368,7 @@ class S3Storage(Storage):
             if info.size <= self.multipart_copy_threshold:
                 self._copy_object(src, dst, info, overwrite=overwrite)
             else:
-                self._copy_multipart(src, dst, info.size, overwrite=overwrite)
+                self._copy_multipart(src, dst, info, overwrite=overwrite)
             self.delete(src)
 
     def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
@@ -380,28 +380,42 @@ class S3Storage(Storage):
         else:
             self.create_only(dst, self.client.copy_object, ours=lambda got: _same_object(got, info), **kwargs)
 
-    def _copy_multipart(self, src: str, dst: str, size: int, *, overwrite: bool) -> None:
+    def _copy_multipart(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
         head = self._head(src, src_bucket, src_key)
+        # Every part copies the object publish checked (``info``): parts read from two objects, or
+        # from one replaced since, would publish bytes that no checksum of this job describes.
+        if int(head["ContentLength"]) != info.size or clean_etag(head.get("ETag")) != info.etag:
+            raise _source_changed(src)
+        pinned = {"CopySourceIfMatch": f'"{info.etag}"'} if info.etag else {}
         create: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": head.get("Metadata", {})}
         if head.get("ContentType"):
             create["ContentType"] = head["ContentType"]
+        size = info.size
         part = max(self.copy_part_size, math.ceil(size / MAX_PARTS))
         ranges = [(number, start, min(start + part, size) - 1) for number, start in enumerate(range(0, size, part), 1)]
         upload_id = self._call(dst, self.client.create_multipart_upload, **create)["UploadId"]
 
         def copy_part(number: int, start: int, end: int) -> dict[str, Any]:
-            r = self._call(
-                dst,
-                self.client.upload_part_copy,
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                CopySource={"Bucket": src_bucket, "Key": src_key},
-                CopySourceRange=f"bytes={start}-{end}",
-            )
+            def attempt() -> dict[str, Any]:
+                try:
+                    return self.client.upload_part_copy(
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        CopySource={"Bucket": src_bucket, "Key": src_key},
+                        CopySourceRange=f"bytes={start}-{end}",
+                        **pinned,
+                    )
+                except ClientError as e:
+                    code, status = error_code(e)
+                    if pinned and (code == "PreconditionFailed" or status == 412):
+                        raise _source_changed(src) from None
+                    raise
+
+            r = self._retried(dst, attempt, "upload_part_copy")
             return {"PartNumber": number, "ETag": r["CopyPartResult"]["ETag"]}
 
         try:
@@ -447,6 +461,10 @@ class S3Storage(Storage):
 
     def join(self, base: str, *parts: str) -> str:
         return join_uri(base, *parts)
+
+
+def _source_changed(uri: str) -> VerificationFailed:
+    return VerificationFailed(f"{uri} changed after publication checked it; nothing was published from it", uri=uri)
 
 
 def _same_object(got: ObjectInfo, source: ObjectInfo) -> bool:
