@@ -519,3 +519,24 @@ def test_s3_multipart_publish_refuses_a_staged_object_replaced_after_its_check(s
         storage.publish([(staged, final)])
     assert not storage.exists(final)
     assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+
+def test_s3_publish_that_placed_its_object_does_not_fail_on_the_staged_copys_removal(s3_bucket):
+    # The engine removes only what a publish it saw succeed placed: a publish that raised after its
+    # copy reached the target left that object there, without the job's manifest.
+    from ckptconv.core.errors import StorageError
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage(max_attempts=1)
+    staged, final = f"s3://{s3_bucket}/stage/m", f"s3://{s3_bucket}/out/m"
+    storage.write_bytes(staged, b"checkpoint bytes")
+    delete = storage.delete
+
+    def failing(uri: str) -> None:
+        if uri == staged:
+            raise StorageError(f"S3 request for {uri} failed: reset", uri=uri)
+        delete(uri)
+
+    storage.delete = failing
+    storage.publish([(staged, final)])
+    assert storage.read_all(final) == b"checkpoint bytes"

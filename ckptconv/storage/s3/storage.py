@@ -353,7 +353,8 @@ class S3Storage(Storage):
         return len(uploads)
 
     def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
-        """Copy each staging object to its final key (server-side), in order, then delete the staging key.
+        """Copy each staging object to its final key (server-side), in order, then delete the staging
+        key (a delete that fails is logged, not raised: the final object is in place).
 
         Every source is checked to exist, and (unless ``overwrite``) every target to be absent,
         before the first copy, so a refused publish changes nothing.
@@ -369,7 +370,12 @@ class S3Storage(Storage):
                 self._copy_object(src, dst, info, overwrite=overwrite)
             else:
                 self._copy_multipart(src, dst, info, overwrite=overwrite)
-            self.delete(src)
+            try:
+                self.delete(src)
+            except StorageError as e:
+                # ``dst`` is placed: raising now would leave it to a caller that removes only what
+                # a publish it saw succeed placed. The staged copy goes with its staging area.
+                log.warning("published %s but could not remove its staged copy %s: %s", dst, src, e)
 
     def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
         src_bucket, src_key = self._object(src)
