@@ -288,6 +288,66 @@ def test_tensors_read_as_bytes_write_the_same_files_as_torch_tensors(
         assert (tmp_path / "raw" / rel).read_bytes() == (tmp_path / "torch" / rel).read_bytes(), rel
 
 
+# Every dtype each byte-moving pair holds, each as a full tensor, a 0-d scalar and two empty tensors.
+_ST_DTYPES = ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "bool"]
+_ST_DTYPES += ["int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"]
+_H5_DTYPES = ["float64", "float32", "float16", "bfloat16", "bool", "int64", "int32", "int16", "uint8"]
+
+
+def _every_dtype(dtypes: list[str]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for name in dtypes:
+        dt = getattr(torch, name)
+        x = torch.randn(6, 5, generator=g) * 60
+        full = x > 0 if dt == torch.bool else x.to(dt)
+        out |= {f"{name}.full": full, f"{name}.scalar": full[2, 3].clone()}
+        out |= {f"{name}.empty": full[:0].clone(), f"{name}.empty_inner": torch.empty(3, 0, 2, dtype=dt)}
+    return out
+
+
+def _manifest_facts(path: Path, root: Path) -> dict:
+    """A manifest with what differs between two runs (times, the run's directory) taken out."""
+    doc = json.loads(path.read_text().replace(str(root), "ROOT"))
+    return {k: v for k, v in doc.items() if k not in ("timings", "created", "job_id")}
+
+
+@pytest.mark.parametrize(
+    ("src_fmt", "dst_fmt", "dtypes"),
+    [
+        ("safetensors", "safetensors", _ST_DTYPES),
+        ("safetensors", "cs-h5", _H5_DTYPES),
+        ("cs-h5", "safetensors", _H5_DTYPES),
+        ("cs-h5", "cs-h5", _H5_DTYPES),
+        ("safetensors", "cs-s3", _H5_DTYPES),
+    ],
+)
+def test_every_dtype_scalar_and_empty_tensor_moves_as_bytes_to_the_torch_paths_files_and_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, src_fmt: str, dst_fmt: str, dtypes: list[str]
+) -> None:
+    tree = _every_dtype(dtypes)
+    src = write_source(tmp_path, src_fmt, tree)
+    name = "out.mdl" if dst_fmt == "cs-h5" else "out"
+    raw = convert(src, str(tmp_path / "raw" / name), to=dst_fmt, verify="full")
+    monkeypatch.setattr(sink_class(dst_fmt), "accepts_raw", False)  # the same sink, given torch tensors
+    tensors = convert(src, str(tmp_path / "torch" / name), to=dst_fmt, verify="full")
+    assert raw.verify["ok"] and tensors.verify["ok"]
+    assert raw.verify["entries_checked"] == tensors.verify["entries_checked"] == len(tree)
+    files = sorted(p.relative_to(tmp_path / "raw") for p in (tmp_path / "raw").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "torch") for p in (tmp_path / "torch").rglob("*") if p.is_file())
+    for rel in files:
+        a, b = tmp_path / "raw" / rel, tmp_path / "torch" / rel
+        if rel.name.endswith("manifest.json"):
+            assert _manifest_facts(a, tmp_path / "raw") == _manifest_facts(b, tmp_path / "torch")
+        else:
+            assert a.read_bytes() == b.read_bytes(), rel
+    got = read_all(str(tmp_path / "raw" / name), dst_fmt)
+    assert list(got) == list(tree)
+    for k, t in tree.items():  # by bytes: torch.equal has no float8 kernel
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert got[k].reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist(), k
+
+
 def test_a_conversion_that_only_moves_bytes_never_imports_torch(tmp_path: Path) -> None:
     import os
     import subprocess
