@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptconv.core.errors import Cancelled, InvalidRequest, VerificationFailed
+from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists, VerificationFailed
 from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
 from ckptconv.engine.plan import identity_plan
@@ -305,6 +305,45 @@ def test_a_cancelled_part_sends_no_upload_part_after_it_stopped(tmp_path: Path, 
         client.meta.events.unregister("before-send.s3.UploadPart", slow_send)
     assert started and len(sent) == len(started)
     assert max(sent) <= stopped, f"an upload part left {max(sent) - stopped:.2f} s after the part stopped"
+    assert _uploads(s3_bucket) == []
+
+
+@pytest.mark.parametrize(("to", "name"), [("safetensors", "m.safetensors"), ("cs-h5", "m.mdl"), ("tf", "ck")])
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_more_parts_asked_than_values_and_a_value_above_the_part_size(tmp_path: Path, s3_bucket, to, name, where):
+    source = str(tmp_path / "src.safetensors")  # one 24 MiB tensor, a small one, an empty one
+    save_file({"big": torch.randn(6 * MiB), "small": torch.randn(3), "empty": torch.zeros(0)}, source)
+    base = str(tmp_path) if where == "local" else f"s3://{s3_bucket}"
+    expected = _single(source, f"{base}/one/{name}", to)
+    result = convert(source, f"{base}/many/{name}", to=to, parallelism=64, job_id=f"many-{to}-{where}")
+    assert [_sha(o.uri) for o in result.outputs] == expected
+    assert 1 < result.extras["parallelism"] < 64  # the big tensor cut into parts; no empty part
+    if where == "s3":
+        assert _uploads(s3_bucket) == []
+
+
+@pytest.mark.parametrize(("to", "name", "first"), [("tf", "ck", "ck.index"), ("cs-s3", "cs", "cs/__METADATA__")])
+def test_a_target_created_by_someone_else_before_the_commit_is_kept(
+    tmp_path: Path, s3_bucket, monkeypatch, to, name, first
+) -> None:
+    # The target check passed when the job started; another writer creates one of its objects
+    # while the parts run. Publication refuses it and takes back what it had placed.
+    from ckptconv.engine.fanout import run as fanout_run
+
+    source = _source(tmp_path, "safetensors")
+    foreign = f"s3://{s3_bucket}/team/{first}"
+    commit = fanout_run._commit
+
+    def commit_after_another_writer(*args, **kwargs):
+        open_storage(foreign).write_bytes(foreign, b"someone else's")
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(fanout_run, "_commit", commit_after_another_writer)
+    with pytest.raises(TargetExists):
+        convert(source, f"s3://{s3_bucket}/team/{name}", to=to, parallelism=2, job_id=f"raced-{to}")
+    storage = open_storage(foreign)
+    assert [i.uri for i in storage.list(f"s3://{s3_bucket}/")] == [foreign]
+    assert storage.read_all(foreign) == b"someone else's"
     assert _uploads(s3_bucket) == []
 
 
