@@ -474,3 +474,18 @@ assert "torch" not in sys.modules, "the fan-out imported torch"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == expected
+
+
+def test_a_cancel_after_the_last_part_is_recorded_publishes_nothing(tmp_path: Path) -> None:
+    # The commit of a local output reads all of it back: a cancel that comes once every part is
+    # recorded still stops the job before anything is published.
+    source = _source(tmp_path, "safetensors")
+    out = tmp_path / "out"
+
+    def cancelled() -> bool:
+        return len(list(out.rglob("part-*.json"))) == 2
+
+    with pytest.raises(Cancelled):
+        convert(source, str(out / "model.safetensors"), to="safetensors", parallelism=2, cancelled=cancelled)
+    assert not (out / "model.safetensors").exists()
+    assert not (out / ".ckptconv-staging").exists()

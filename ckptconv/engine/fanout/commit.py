@@ -8,9 +8,9 @@ from typing import Any
 
 import xxhash
 
-from ckptconv.core.errors import VerificationFailed
+from ckptconv.core.errors import Cancelled, VerificationFailed
 from ckptconv.core.fencing import fence
-from ckptconv.engine.execute import ProgressReporter, VerifyReport, check_written, verify_output
+from ckptconv.engine.execute import CancelFn, ProgressReporter, VerifyReport, check_written, verify_output
 from ckptconv.engine.fanout.records import _part_uri, _read_doc
 from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
@@ -38,8 +38,10 @@ def _commit(
     reporter: ProgressReporter,
     timings: dict[str, float],
     extras: dict[str, Any] | None,
+    cancelled: CancelFn | None = None,
 ) -> None:
     storage = layout.storage
+    _check_cancelled(cancelled)  # the parts may all have been recorded since the last look
     t1 = time.monotonic()
     records = []
     for i, ranges in enumerate(doc["parts"]):
@@ -74,7 +76,7 @@ def _commit(
         ranges = sorted((s, e) for (i, s, e) in expected if i == fi)
         if described["upload_id"] is None:
             # A local file is hashed from the page cache, as a single worker's output is.
-            sha256, hashes = _hash_file(storage, f.uri, ranges)
+            sha256, hashes = _hash_file(storage, f.uri, ranges, cancelled)
             bad = [r for r in ranges if hashes[r] != expected[(fi, *r)]]
             if bad:
                 raise VerificationFailed(f"{f.uri}: bytes {bad[0][0]}..{bad[0][1]} differ from what their part wrote")
@@ -83,6 +85,7 @@ def _commit(
         # An upload's parts were hashed as they went out: its block digest, without reading it back.
         blocks = _block_digest(records, fi, f, doc["part_size"], tail_blocks.get(fi, {}))
         parts = [p for record in records for p in record["uploaded"].get(str(fi), [])] + tail_parts.get(fi, [])
+        _check_cancelled(cancelled)
         fence(job_id)
         upload = PartUpload(storage.backend(f.uri), f.uri, part_size=doc["part_size"], upload_id=described["upload_id"])
         upload.complete_parts(parts, f.size)
@@ -94,7 +97,7 @@ def _commit(
         outputs = _fill_sha256(storage, outputs, reread=True)
         reopened = source_class(to)(storage, layout.sink_uri)
         try:
-            report = verify_output(plan, digests, reopened, reporter=reporter)
+            report = verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)
         finally:
             reopened.close()
     timings["verify_s"] = round(time.monotonic() - t1, 3)
@@ -105,6 +108,7 @@ def _commit(
         writer_buffers=upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0,
     )
     facts = {"parallelism": len(doc["parts"]), **(extras or {})}
+    _check_cancelled(cancelled)
     stage_manifest(
         layout,
         src,
@@ -117,6 +121,11 @@ def _commit(
         memory=memory,
         extras=facts,
     )
+
+
+def _check_cancelled(cancelled: CancelFn | None) -> None:
+    if cancelled is not None and cancelled():
+        raise Cancelled("cancelled by request; nothing was published")
 
 
 def _check_tiling(doc: dict[str, Any]) -> None:
@@ -148,8 +157,11 @@ def _block_digest(
         raise VerificationFailed(f"{f.uri}: the parts' records do not hash every block once: {e}", uri=f.uri) from e
 
 
-def _hash_file(storage: Storage, uri: str, ranges: list[tuple[int, int]]) -> tuple[str, dict[tuple[int, int], str]]:
-    """One read of the file: its sha256 and the xxh3 of each of ``ranges`` (which tile it in order)."""
+def _hash_file(
+    storage: Storage, uri: str, ranges: list[tuple[int, int]], cancelled: CancelFn | None = None
+) -> tuple[str, dict[tuple[int, int], str]]:
+    """One read of the file: its sha256 and the xxh3 of each of ``ranges`` (which tile it in order);
+    ``cancelled`` is asked between blocks (a large output takes a while)."""
     sha = hashlib.sha256()
     out = {}
     buf = memoryview(bytearray(min(READ_BLOCK, max((e - s for s, e in ranges), default=0))))
@@ -157,6 +169,7 @@ def _hash_file(storage: Storage, uri: str, ranges: list[tuple[int, int]]) -> tup
         h = xxhash.xxh3_128()
         pos = s
         while pos < e:
+            _check_cancelled(cancelled)
             block = buf[: min(len(buf), e - pos)]
             storage.read_into(uri, pos, block)  # one block in several ranged GETs at once on S3
             sha.update(block)

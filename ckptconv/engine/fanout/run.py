@@ -228,7 +228,19 @@ def run_fanout(
         _await_parts(plan, src, home, count, runner, reporter, cancelled, job_id, reused)
         timings = {"convert_s": round(time.monotonic() - t0, 3)}
         facts = {**(extras or {}), **({"parts_reused": len(reused)} if reused else {})}
-        _commit(plan, src, home, doc, to=to, job_id=job_id, mode=mode, reporter=reporter, timings=timings, extras=facts)
+        _commit(
+            plan,
+            src,
+            home,
+            doc,
+            to=to,
+            job_id=job_id,
+            mode=mode,
+            reporter=reporter,
+            timings=timings,
+            extras=facts,
+            cancelled=cancelled,
+        )
     except BaseException:
         runner.stop()
         runner.wait_idle(count, timeout=max(5.0, 3 * runner.grace_seconds))
