@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists, VerificationFailed
+from ckptconv.core.errors import Cancelled, InvalidRequest, StorageError, TargetExists, VerificationFailed
 from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
 from ckptconv.engine.plan import identity_plan
@@ -489,3 +489,38 @@ def test_a_cancel_after_the_last_part_is_recorded_publishes_nothing(tmp_path: Pa
         convert(source, str(out / "model.safetensors"), to="safetensors", parallelism=2, cancelled=cancelled)
     assert not (out / "model.safetensors").exists()
     assert not (out / ".ckptconv-staging").exists()
+
+
+@pytest.mark.parametrize("failing_part", [None, 2])
+def test_an_output_over_the_copy_threshold_is_published_by_part_copies(
+    tmp_path: Path, s3_bucket, monkeypatch, failing_part: int | None
+) -> None:
+    # The threshold lowered (5 GiB in production): publication copies the staged object in parts.
+    # One part copy refused fails the job with the target and the staging area empty, no upload left.
+    from botocore.exceptions import ClientError
+
+    storage = open_storage(f"s3://{s3_bucket}/")  # the instance every step of the job uses
+    monkeypatch.setattr(storage, "multipart_copy_threshold", 5 * MiB)
+    monkeypatch.setattr(storage, "copy_part_size", 5 * MiB)
+    monkeypatch.setenv("CKPTCONV_STORAGE_ATTEMPTS", "1")
+    source = _source(tmp_path, "safetensors")  # about 14 MiB as cs-h5: 3 part copies
+    expected = _single(source, f"s3://{s3_bucket}/one/model.mdl", "cs-h5")
+    copy_part, copied = storage.client.upload_part_copy, []
+
+    def copy(**kwargs: object) -> dict:
+        copied.append(kwargs["PartNumber"])
+        if kwargs["PartNumber"] == failing_part:
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "UploadPartCopy")
+        return copy_part(**kwargs)
+
+    monkeypatch.setattr(storage.client, "upload_part_copy", copy)
+    target = f"s3://{s3_bucket}/two/model.mdl"
+    if failing_part is None:
+        result = convert(source, target, to="cs-h5", parallelism=2, job_id="part-copies")
+        assert [_sha(o.uri) for o in result.outputs] == expected
+    else:
+        with pytest.raises(StorageError):
+            convert(source, target, to="cs-h5", parallelism=2, job_id="part-copies")
+        assert list(storage.list(f"s3://{s3_bucket}/two/")) == []
+    assert sorted(copied) == [1, 2, 3]
+    assert _uploads(s3_bucket) == []
