@@ -93,9 +93,21 @@ def _resume(layout: _Layout, job_id: str | None) -> ConvertResult | None:
             _discard_job(layout, job_id)
             return ConvertResult.from_manifest(uri, doc)
     for staged in _attempt_stagings(layout, job_id):
-        if _staged_manifest(staged) is not None:
+        found = _staged_manifest(staged)
+        if found is not None:
+            _abort_interrupted_copies(storage, found[2])
             return _publish(staged, job_id)
     return None
+
+
+def _abort_interrupted_copies(storage: Storage, doc: dict[str, Any]) -> None:
+    """An S3 publication killed while it copied a file in parts left a multipart upload at the
+    file's final key, which the next try does not reuse (it copies afresh): abort those uploads,
+    which hold up to a whole copy of the file and are otherwise never removed."""
+    for f in doc["files"]:
+        abort = getattr(storage.backend(f["uri"]), "abort_uploads", None)
+        if abort is not None:
+            abort(f["uri"], exact=True)
 
 
 def _staged_manifest(layout: _Layout) -> tuple[str, str, dict[str, Any]] | None:

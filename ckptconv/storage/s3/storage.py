@@ -327,8 +327,9 @@ class S3Storage(Storage):
 
         self._retried(prefix, attempt, "delete_objects")
 
-    def abort_uploads(self, prefix: str) -> int:
-        """Abort every incomplete multipart upload whose key starts with ``prefix``'s key.
+    def abort_uploads(self, prefix: str, *, exact: bool = False) -> int:
+        """Abort every incomplete multipart upload whose key starts with ``prefix``'s key (with
+        ``exact``: whose key is that key).
 
         Servers that cannot list uploads (s3rver) are skipped: writers abort their own uploads."""
         if not self.upload_listing:
@@ -341,6 +342,7 @@ class S3Storage(Storage):
                     prefix, self.client.list_multipart_uploads, "KeyMarker", Bucket=bucket, Prefix=key_prefix
                 )
                 for u in page.get("Uploads", ())
+                if not exact or u["Key"] == key_prefix
             ]
         except StorageError as e:
             if not (isinstance(e.__cause__, ClientError) and not_implemented(e.__cause__)):
