@@ -5,9 +5,11 @@ storage's seekable reader. Data of LZ4-chunked datasets bypasses HDF5 (see
 :mod:`ckptconv.formats.cs_h5_chunks`); everything else goes through h5py. HDF5 errors on damaged
 files surface as :class:`~ckptconv.core.errors.CorruptCheckpoint`.
 
-Known limit: on some deliberately damaged object headers the HDF5 library itself loops forever
-(found by fuzzing a fixture with zeroed byte runs). Nothing in Python can interrupt it; jobs are
-bounded by their time limit, which ends the worker process.
+HDF5 itself loops forever on a global heap collection whose objects do not advance (found by
+fuzzing a fixture with zeroed or shifted byte runs): files are read through
+:class:`~ckptconv.formats.cs_h5_heap.HeapCheckingReader`, which refuses such a collection before
+HDF5 parses it. Should another damaged structure hang the library, nothing in Python can
+interrupt it; jobs are bounded by their time limit, which ends the worker process.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
 from ckptconv.formats.cs_base import cast_array
 from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, stored_chunks
+from ckptconv.formats.cs_h5_heap import HeapCheckingReader
 from ckptconv.formats.cs_serializers import stored_numpy_dtype
 from ckptconv.formats.memory import empty_raw, empty_tensor
 from ckptconv.storage.base import RangeReader
@@ -37,8 +40,7 @@ if TYPE_CHECKING:
     from ckptconv.storage.base import Storage
 
 
-# What h5py raises when a file's structures are damaged (besides hanging, which HDF5 does on some
-# malformed object headers: see the module docstring).
+# What h5py raises when a file's structures are damaged (besides hanging: see the module docstring).
 H5_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError)
 
 
@@ -90,14 +92,19 @@ class H5File:
         self.size = info.size
         try:
             if path is not None:
-                self.file = h5py.File(path, "r")
                 self._fd = os.open(path, os.O_RDONLY)
+                # Through the file-object driver, so that every global heap collection is checked
+                # before HDF5 walks it (see cs_h5_heap); tensor data bypasses HDF5 anyway. Other
+                # reads of this descriptor are positioned (pread), so they share it safely.
+                self._reader = HeapCheckingReader(io.FileIO(self._fd, "rb", closefd=False), uri)
+                self.file = h5py.File(self._reader, "r")
                 self.size = os.fstat(self._fd).st_size
                 if hasattr(os, "posix_fadvise"):  # tensors are read front to back: a larger read-ahead
                     os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 self.chunks = ChunkReader(file_size=self.size, pread_fd=self._fd, threads=threads)
             else:
-                self._reader = io.BufferedReader(RangeReader(storage, uri, self.size, first_block=head), 64 << 10)
+                remote = io.BufferedReader(RangeReader(storage, uri, self.size, first_block=head), 64 << 10)
+                self._reader = HeapCheckingReader(remote, uri)
                 self.file = h5py.File(self._reader, "r")
                 self.chunks = ChunkReader(
                     file_size=self.size,

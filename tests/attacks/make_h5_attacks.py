@@ -38,6 +38,8 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "h5_nested_compound_attr.mdl": ("CorruptCheckpoint", "open"),
     "h5_amplified_strings.mdl": ("CorruptCheckpoint", "open"),
     "h5_huge_attr.mdl": ("CorruptCheckpoint", "open"),
+    # A global heap collection HDF5 would walk forever: refused before HDF5 parses it.
+    "h5_heap_loop.mdl": ("CorruptCheckpoint", "open"),
 }
 
 
@@ -186,7 +188,28 @@ def make(out: Path) -> list[Path]:
     data = p.read_bytes()
     # The attribute's dataspace (its size and maximum size): 8 TiB of int64 in a 24 KB file.
     p.write_bytes(data.replace(struct.pack("<Q", 997), struct.pack("<Q", 1 << 40)))
+
+    p = fresh("h5_heap_loop.mdl")
+    _small_checkpoint(p)
+    _zero_free_space(p)
     return made
+
+
+def _zero_free_space(path: Path) -> None:
+    """Set to 0 the size of the free space that ends the first global heap collection (where the
+    variable-length strings of the root's attributes live): HDF5 then never leaves that object."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"GCOL")
+    (size,) = struct.unpack_from("<Q", data, at + 8)
+    p = 16  # each object: index (2), reference count (2), reserved (4), size (8), data padded to 8
+    while p + 16 <= size:
+        index, length = struct.unpack_from("<H", data, at + p)[0], struct.unpack_from("<Q", data, at + p + 8)[0]
+        if index == 0:
+            struct.pack_into("<Q", data, at + p + 8, 0)
+            path.write_bytes(bytes(data))
+            return
+        p += 16 + ((length + 7) & ~7)
+    raise RuntimeError("the collection has no free space to zero")
 
 
 def _amplified_strings(path: Path, count: int = 400, size: int = 20_000) -> None:

@@ -1,0 +1,91 @@
+"""Global heap collections checked before HDF5 parses them.
+
+Variable-length strings (cstorch's ``__spec__``, ``__metadata__`` and ``dtypes`` attributes) live
+in HDF5 global heap collections (signature ``GCOL``). HDF5 walks a collection object by object,
+advancing by each object's declared size; a free-space object of size 0 (a zeroed or shifted
+byte run does it) never advances, and the library loops forever holding the GIL, where nothing
+in Python can interrupt it. :class:`HeapCheckingReader` sits between HDF5 (through h5py's
+file-object driver) and the file, and refuses such a collection as it is read, before HDF5 sees
+it: HDF5 then fails the read, which the reader reports as a damaged file.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from typing import IO
+
+from ckptconv.core.errors import CorruptCheckpoint
+
+SIGNATURE = b"GCOL"
+_HEADER = 16  # signature, version, 3 reserved bytes, collection size (8)
+_OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), object size (8)
+
+
+def check_global_heap(data: memoryview, where: str) -> None:
+    """Refuse a collection at the start of ``data`` whose walk would not end within it.
+
+    ``data`` may hold only the front of a collection (HDF5 reads 4 KiB first, then the rest): the
+    objects it holds whole are checked, the rest when the whole collection is read.
+    """
+    if len(data) < _HEADER or data[:4] != SIGNATURE:
+        return
+    size = struct.unpack_from("<Q", data, 8)[0]
+    if size < _HEADER:
+        raise CorruptCheckpoint(f"{where}: an HDF5 global heap collection claims {size} bytes, less than its header")
+    end = min(size, len(data))
+    p = _HEADER
+    while p + _OBJECT_HEADER <= end:
+        index = struct.unpack_from("<H", data, p)[0]
+        length = struct.unpack_from("<Q", data, p + 8)[0]
+        # An object takes its header plus its data padded to 8 bytes; free space (index 0) declares
+        # its whole extent, header included.
+        need = _OBJECT_HEADER + ((length + 7) & ~7) if index else length
+        if need < _OBJECT_HEADER or need > size - p:
+            raise CorruptCheckpoint(
+                f"{where}: an HDF5 global heap object declares {length} bytes at byte {p} of a "
+                f"{size}-byte collection (the library would loop or read past it)"
+            )
+        p += need
+
+
+class HeapCheckingReader(io.RawIOBase):
+    """A read-only file for h5py's file-object driver that checks every global heap collection it returns.
+
+    Wraps a seekable binary file (a local file or a storage's ranged reader); not thread-safe, as
+    h5py calls it under its own lock.
+    """
+
+    def __init__(self, raw: IO[bytes], uri: str) -> None:
+        super().__init__()
+        self._raw = raw
+        self._uri = uri
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view):  # h5py zero-fills a short read: read all that is there
+            n = self._raw.readinto(view[done:])
+            if not n:
+                break
+            done += n
+        check_global_heap(view[:done], self._uri)
+        return done
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
