@@ -701,15 +701,16 @@ def _open_and_read_all(path: str, results) -> None:
         results.put(f"UNTYPED {type(e).__name__}: {e}")
 
 
-def test_a_heap_collection_hdf5_would_walk_forever_is_refused_before_hdf5_reads_it():
+@pytest.mark.parametrize("name", ["h5_heap_loop.mdl", "h5_heap_loop_far.mdl"])
+def test_a_heap_collection_hdf5_would_walk_forever_is_refused_before_hdf5_reads_it(name):
     """A global heap object declaring 0 bytes made HDF5 loop forever, holding the GIL, on the
-    first string attribute read (found by fuzzing): a forked child, so that a regression fails
-    instead of hanging the suite."""
+    first string attribute read (found by fuzzing), also past the 4 KiB HDF5 reads of a collection
+    first: a forked child, so that a regression fails instead of hanging the suite."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    child = ctx.Process(target=_open_and_read_all, args=(str(ATTACKS / "h5_heap_loop.mdl"), results))
+    child = ctx.Process(target=_open_and_read_all, args=(str(ATTACKS / name), results))
     child.start()
     child.join(60)
     hung = child.is_alive()
@@ -719,7 +720,7 @@ def test_a_heap_collection_hdf5_would_walk_forever_is_refused_before_hdf5_reads_
     assert not hung, "HDF5 walked the damaged heap collection"
     assert results.get(timeout=10) == "CorruptCheckpoint"
     with pytest.raises(CorruptCheckpoint, match="global heap object declares 0 bytes"):
-        source(ATTACKS / "h5_heap_loop.mdl")
+        source(ATTACKS / name)
 
 
 def test_damaged_files_fail_with_typed_errors(tmp_path):

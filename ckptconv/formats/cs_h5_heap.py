@@ -25,8 +25,7 @@ _OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), object size
 def check_global_heap(data: memoryview, where: str) -> None:
     """Refuse a collection at the start of ``data`` whose walk would not end within it.
 
-    ``data`` may hold only the front of a collection (HDF5 reads 4 KiB first, then the rest): the
-    objects it holds whole are checked, the rest when the whole collection is read.
+    ``data`` may hold only the front of a collection: the objects it holds whole are checked.
     """
     if len(data) < _HEADER or data[:4] != SIGNATURE:
         return
@@ -56,10 +55,11 @@ class HeapCheckingReader(io.RawIOBase):
     h5py calls it under its own lock.
     """
 
-    def __init__(self, raw: IO[bytes], uri: str) -> None:
+    def __init__(self, raw: IO[bytes], uri: str, size: int) -> None:
         super().__init__()
         self._raw = raw
         self._uri = uri
+        self._size = size
 
     def readable(self) -> bool:
         return True
@@ -75,14 +75,36 @@ class HeapCheckingReader(io.RawIOBase):
 
     def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
         view = memoryview(buffer).cast("B")
+        start = self._raw.tell()
+        done = self._read_at_most(view)
+        if done >= _HEADER and view[:4] == SIGNATURE:
+            check_global_heap(view[:done], self._uri)
+            size = struct.unpack_from("<Q", view, 8)[0]
+            if size > done:
+                # HDF5 reads a collection's first 4 KiB, then only the bytes after them: the
+                # whole collection is checked now, while its start is known.
+                self._check_whole(start, size)
+                self._raw.seek(start + done)
+        return done
+
+    def _read_at_most(self, view: memoryview) -> int:
         done = 0
         while done < len(view):  # h5py zero-fills a short read: read all that is there
             n = self._raw.readinto(view[done:])
             if not n:
                 break
             done += n
-        check_global_heap(view[:done], self._uri)
         return done
+
+    def _check_whole(self, start: int, size: int) -> None:
+        if size > self._size - start:
+            raise CorruptCheckpoint(
+                f"{self._uri}: an HDF5 global heap collection at byte {start} claims {size} bytes, "
+                f"past the end of the {self._size}-byte file"
+            )
+        whole = bytearray(size)
+        self._raw.seek(start)
+        check_global_heap(memoryview(whole)[: self._read_at_most(memoryview(whole))], self._uri)
 
     def close(self) -> None:
         try:

@@ -93,18 +93,18 @@ class H5File:
         try:
             if path is not None:
                 self._fd = os.open(path, os.O_RDONLY)
+                self.size = os.fstat(self._fd).st_size
                 # Through the file-object driver, so that every global heap collection is checked
                 # before HDF5 walks it (see cs_h5_heap); tensor data bypasses HDF5 anyway. Other
                 # reads of this descriptor are positioned (pread), so they share it safely.
-                self._reader = HeapCheckingReader(io.FileIO(self._fd, "rb", closefd=False), uri)
+                self._reader = HeapCheckingReader(io.FileIO(self._fd, "rb", closefd=False), uri, self.size)
                 self.file = h5py.File(self._reader, "r")
-                self.size = os.fstat(self._fd).st_size
                 if hasattr(os, "posix_fadvise"):  # tensors are read front to back: a larger read-ahead
                     os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 self.chunks = ChunkReader(file_size=self.size, pread_fd=self._fd, threads=threads)
             else:
                 remote = io.BufferedReader(RangeReader(storage, uri, self.size, first_block=head), 64 << 10)
-                self._reader = HeapCheckingReader(remote, uri)
+                self._reader = HeapCheckingReader(remote, uri, self.size)
                 self.file = h5py.File(self._reader, "r")
                 self.chunks = ChunkReader(
                     file_size=self.size,

@@ -40,6 +40,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "h5_huge_attr.mdl": ("CorruptCheckpoint", "open"),
     # A global heap collection HDF5 would walk forever: refused before HDF5 parses it.
     "h5_heap_loop.mdl": ("CorruptCheckpoint", "open"),
+    "h5_heap_loop_far.mdl": ("CorruptCheckpoint", "open"),  # the same past the first 4 KiB read
 }
 
 
@@ -192,7 +193,26 @@ def make(out: Path) -> list[Path]:
     p = fresh("h5_heap_loop.mdl")
     _small_checkpoint(p)
     _zero_free_space(p)
+
+    p = fresh("h5_heap_loop_far.mdl")
+    _small_checkpoint(p)
+    with h5py.File(p, "r+") as f:  # a string of its own collection, larger than HDF5's first read
+        f.attrs["model.w.__metadata__"] = f.attrs["model.w.__metadata__"] + " " * 6000
+    _free_space_past_first_read(p)
     return made
+
+
+def _free_space_past_first_read(path: Path) -> None:
+    """In the collection holding one string longer than 4 KiB, declare that string shorter and
+    follow it with free space of 0 bytes, 4,232 bytes in: HDF5 reads a collection's first 4 KiB,
+    then the rest, and walks the whole."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"GCOL")
+    while struct.unpack_from("<Q", data, at + 8)[0] <= 4096:
+        at = data.find(b"GCOL", at + 1)
+    struct.pack_into("<Q", data, at + 16 + 8, 4200)  # the first object: 16 + 4200 bytes
+    struct.pack_into("<HHIQ", data, at + 16 + 16 + 4200, 0, 0, 0, 0)
+    path.write_bytes(bytes(data))
 
 
 def _zero_free_space(path: Path) -> None:
