@@ -35,6 +35,7 @@ from cstorch_tree import (
     load_tree,
     write_all,
 )
+from forked import outcome_in_child
 from s3_area import OnS3
 
 from ckptconv.core.errors import (
@@ -687,18 +688,10 @@ def test_s3_reads_multi_chunk_tensors(chunking, s3_bucket, tmp_path):
         assert_same_tree(describe(load_tree(src)), describe(tree))
 
 
-def _open_and_read_all(path: str, results) -> None:
-    from ckptconv.core.errors import CkptconvError
-
-    try:
-        with source(path, allow_incomplete=True) as src:
-            for e in src.entries():
-                src.read(e.key)
-        results.put("ok")
-    except CkptconvError as e:
-        results.put(type(e).__name__)
-    except BaseException as e:  # the finding: an untyped error
-        results.put(f"UNTYPED {type(e).__name__}: {e}")
+def _open_and_read_all(path: str) -> None:
+    with source(path, allow_incomplete=True) as src:
+        for e in src.entries():
+            src.read(e.key)
 
 
 @pytest.mark.parametrize("name", ["h5_heap_loop.mdl", "h5_heap_loop_far.mdl"])
@@ -706,19 +699,9 @@ def test_a_heap_collection_hdf5_would_walk_forever_is_refused_before_hdf5_reads_
     """A global heap object declaring 0 bytes made HDF5 loop forever, holding the GIL, on the
     first string attribute read (found by fuzzing), also past the 4 KiB HDF5 reads of a collection
     first: a forked child, so that a regression fails instead of hanging the suite."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    child = ctx.Process(target=_open_and_read_all, args=(str(ATTACKS / name), results))
-    child.start()
-    child.join(60)
-    hung = child.is_alive()
-    if hung:
-        child.kill()
-        child.join()
-    assert not hung, "HDF5 walked the damaged heap collection"
-    assert results.get(timeout=10) == "CorruptCheckpoint"
+    outcome = outcome_in_child(_open_and_read_all, str(ATTACKS / name))
+    assert outcome is not None, "HDF5 walked the damaged heap collection"
+    assert outcome == "CorruptCheckpoint"
     with pytest.raises(CorruptCheckpoint, match="global heap object declares 0 bytes"):
         source(ATTACKS / name)
 
@@ -729,10 +712,8 @@ def test_damaged_files_fail_with_typed_errors(tmp_path):
     Each attempt runs in a forked child because HDF5 itself can loop forever on some damaged
     headers (a library limit, documented in cs_h5_io); such attempts are killed and not counted.
     """
-    import multiprocessing
     import random
 
-    ctx = multiprocessing.get_context("fork")
     data = (FIXTURES / "python_objects.mdl").read_bytes()
     rng = random.Random(20240607)
     outcomes = []
@@ -746,15 +727,9 @@ def test_damaged_files_fail_with_typed_errors(tmp_path):
                 b[pos] ^= 1 << rng.randrange(8)
         path = tmp_path / f"damaged{i}.mdl"
         path.write_bytes(b)
-        results = ctx.Queue()
-        child = ctx.Process(target=_open_and_read_all, args=(str(path), results))
-        child.start()
-        child.join(30)
-        if child.is_alive():
-            child.kill()
-            child.join()
-            continue
-        outcomes.append(results.get(timeout=10))
+        outcome = outcome_in_child(_open_and_read_all, str(path), timeout=30)
+        if outcome is not None:
+            outcomes.append(outcome)
     untyped = [o for o in outcomes if o.startswith("UNTYPED")]
     assert not untyped, untyped
     assert outcomes.count("CorruptCheckpoint") >= 6
@@ -804,3 +779,45 @@ def test_scratch_of_killed_remote_writes_is_swept(s3_bucket, tmp_path, monkeypat
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_heap_collection_claiming_gigabytes_is_walked_in_constant_memory(tmp_path):
+    """The collection HDF5 reads only the front of is checked whole, object header by object header:
+    one that claims 3 GiB of a (sparse) file costs no more memory than a small one, and a walk that
+    would take more steps than a collection can hold objects is refused."""
+    import struct
+    import tracemalloc
+
+    from ckptconv.formats.cs_h5_heap import MAX_OBJECTS, HeapCheckingReader
+
+    def reader(path, blob, size):
+        with open(path, "wb") as f:
+            f.write(blob)
+            f.truncate(size)  # the rest is a hole: zeros, never on disk
+        return HeapCheckingReader(open(path, "rb"), str(path), size)
+
+    claimed = 3 << 30
+    # One object that runs past the 4 KiB HDF5 reads first, then zeros: a 0-byte object, found only
+    # by the whole-collection check.
+    head = b"GCOL\x01\x00\x00\x00" + struct.pack("<Q", claimed) + struct.pack("<HHIQ", 1, 1, 0, 8192) + b"x" * 8192
+    r = reader(tmp_path / "big.h5", head, claimed + 4096)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpoint, match="declares 0 bytes"):
+            r.readinto(bytearray(4096))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        r.close()
+    assert peak < 1 << 20, f"the check held {peak} bytes"
+
+    # 70,000 objects of 8 bytes each: more than HDF5's 16-bit object index can number.
+    count = MAX_OBJECTS + 4464
+    objects = b"".join(struct.pack("<HHIQ", 1 + i % 65535, 1, 0, 8) + b"y" * 8 for i in range(count))
+    size = 16 + len(objects)
+    r = reader(tmp_path / "many.h5", b"GCOL\x01\x00\x00\x00" + struct.pack("<Q", size) + objects, size)
+    try:
+        with pytest.raises(CorruptCheckpoint, match="more objects than HDF5 allows"):
+            r.readinto(bytearray(4096))
+    finally:
+        r.close()

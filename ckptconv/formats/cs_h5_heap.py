@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Callable
 from typing import IO
 
 from ckptconv.core.errors import CorruptCheckpoint
@@ -20,6 +21,11 @@ from ckptconv.core.errors import CorruptCheckpoint
 SIGNATURE = b"GCOL"
 _HEADER = 16  # signature, version, 3 reserved bytes, collection size (8)
 _OBJECT_HEADER = 16  # index (2), reference count (2), reserved (4), object size (8)
+
+
+# An object's index is 16 bits and index 0 is free space: a collection holds at most this many
+# objects, which bounds the walk whatever the collection's declared size.
+MAX_OBJECTS = 1 << 16
 
 
 def check_global_heap(data: memoryview, where: str) -> None:
@@ -32,11 +38,24 @@ def check_global_heap(data: memoryview, where: str) -> None:
     size = struct.unpack_from("<Q", data, 8)[0]
     if size < _HEADER:
         raise CorruptCheckpoint(f"{where}: an HDF5 global heap collection claims {size} bytes, less than its header")
-    end = min(size, len(data))
+    walk_global_heap(lambda p: data[p : p + _OBJECT_HEADER], size, min(size, len(data)), where)
+
+
+def walk_global_heap(header_at: Callable[[int], bytes | memoryview], size: int, end: int, where: str) -> None:
+    """Walk a ``size``-byte collection's objects that start before ``end - 16``, reading each
+    object's header (``header_at(offset)``, 16 bytes) and nothing else: memory stays constant and
+    the number of steps is at most :data:`MAX_OBJECTS` plus one, whatever the file claims."""
     p = _HEADER
+    steps = 0
     while p + _OBJECT_HEADER <= end:
-        index = struct.unpack_from("<H", data, p)[0]
-        length = struct.unpack_from("<Q", data, p + 8)[0]
+        steps += 1
+        if steps > MAX_OBJECTS + 1:
+            raise CorruptCheckpoint(f"{where}: an HDF5 global heap collection holds more objects than HDF5 allows")
+        header = header_at(p)
+        if len(header) < _OBJECT_HEADER:
+            raise CorruptCheckpoint(f"{where}: an HDF5 global heap collection ends inside an object's header")
+        index = struct.unpack_from("<H", header, 0)[0]
+        length = struct.unpack_from("<Q", header, 8)[0]
         # An object takes its header plus its data padded to 8 bytes; free space (index 0) declares
         # its whole extent, header included.
         need = _OBJECT_HEADER + ((length + 7) & ~7) if index else length
@@ -102,9 +121,13 @@ class HeapCheckingReader(io.RawIOBase):
                 f"{self._uri}: an HDF5 global heap collection at byte {start} claims {size} bytes, "
                 f"past the end of the {self._size}-byte file"
             )
-        whole = bytearray(size)
-        self._raw.seek(start)
-        check_global_heap(memoryview(whole)[: self._read_at_most(memoryview(whole))], self._uri)
+
+        def header_at(p: int) -> bytes:
+            self._raw.seek(start + p)
+            return self._raw.read(_OBJECT_HEADER) or b""
+
+        # Object headers only: a collection that claims gigabytes costs no more memory than a small one.
+        walk_global_heap(header_at, size, size, self._uri)
 
     def close(self) -> None:
         try:
