@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from forked import outcome_in_child
 
 from ckptconv.core.errors import InvalidRequest, SpecRepairError, TargetExists, UnsupportedFormat
 from ckptconv.engine.legacy.fix_spec import default_fixed_path, fix_checkpoint_spec
@@ -282,3 +283,33 @@ print(json.dumps(out))
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "error" in result[str(path)]  # the unrepaired file names a class 2.x no longer has
     assert result[fixed] == {"tied": True, "last_epoch": [250, 150], "top": 250, "type": "dict"}
+
+
+def _damage_heap(path: Path) -> None:
+    """Zero the header of the object after the first one in the file's first global heap collection:
+    an object of 0 bytes, on which HDF5 loops forever."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    at = data.index(b"GCOL")
+    index, _, _, length = struct.unpack_from("<HHIQ", data, at + 16)
+    assert index != 0
+    second = at + 16 + 16 + ((length + 7) & ~7)
+    data[second : second + 16] = bytes(16)
+    path.write_bytes(bytes(data))
+
+
+def test_a_file_whose_heap_would_hang_hdf5_is_refused_as_corrupt_not_walked(tmp_path, tsd_class):
+    """fix-spec reads the user's file through the checkpoint reader's checked opening: a global heap
+    object declaring 0 bytes (HDF5 loops on it forever) in a legacy file is refused, and nothing is
+    written. A forked child, so that a regression fails instead of hanging the suite."""
+    src = tmp_path / "src" / "legacy.mdl"
+    src.parent.mkdir()
+    write_legacy(src, gpt_tree(), tsd_class)
+    _damage_heap(src)
+    out = tmp_path / "out" / "fixed.mdl"
+    out.parent.mkdir()
+    outcome = outcome_in_child(fix_checkpoint_spec, str(src), str(out))
+    assert outcome is not None, "HDF5 walked the damaged heap collection"
+    assert outcome == "CorruptCheckpoint"
+    assert list(out.parent.iterdir()) == []

@@ -325,7 +325,7 @@ def fix_checkpoint_spec(path: str, output: str | None = None, *, inplace: bool =
     ``output`` defaults to ``<stem>_fixed<suffix>`` beside it; ``inplace`` replaces ``path``
     itself (atomically). An existing output is never overwritten (TargetExists).
     """
-    import h5py
+    from ckptconv.formats.cs_h5_io import H5File, damaged_as_corrupt  # h5py: only when a file is fixed
 
     if inplace and output is not None:
         raise InvalidRequest("give an output path or inplace, not both")
@@ -335,11 +335,15 @@ def fix_checkpoint_spec(path: str, output: str | None = None, *, inplace: bool =
     final = src if inplace else _local(output or default_fixed_path(path))
     if not inplace and os.path.lexists(final):
         raise TargetExists(f"{final} already exists")
+    # Read through the checkpoint reader's checked opening (global heap collections checked before
+    # HDF5 walks them, damaged structures as CorruptCheckpoint): the user's file is untrusted. The
+    # copy edited below holds the same bytes, and the edit touches only what this read went through.
+    h5 = H5File(open_storage(src), src)
     try:
-        with h5py.File(src, "r") as f:
-            plan = _plan(f, path)
-    except OSError as e:  # h5py: not an HDF5 file, or a damaged one
-        raise CorruptCheckpoint(f"{path} is not a readable HDF5 file: {e}") from None
+        with damaged_as_corrupt(path):
+            plan = _plan(h5.file, path)
+    finally:
+        h5.close()
 
     tmp = os.path.join(os.path.dirname(final) or ".", f".{os.path.basename(final)}.fixing-{uuid.uuid4().hex[:8]}")
     try:
