@@ -376,6 +376,79 @@ def test_past_the_attempt_budget_the_reaped_job_fails_with_worker_lost(
     assert rec["state"] == "failed" and json.loads(rec["error"])["code"] == "worker_lost"
 
 
+class _Killed(BaseException):
+    """What a SIGKILL does to a publication, in process: it stops where it is."""
+
+
+def _killed_mid_part_copy(in_process: SimpleNamespace, bucket: str, name: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A job whose worker was killed while publication copied its output in parts: its attempt
+    left the staged output and an unfinished multipart upload at the output's final key. Returns
+    the job id."""
+    make_checkpoint(bucket, f"team/{name}/model.safetensors", 3, dim=1024)  # 12 MiB
+    job_id = in_process.submit(f"team/{name}/model.safetensors", f"team/{name}-out/model.mdl")
+    storage = open_storage(f"s3://{bucket}/")  # the instance every step of the job uses
+    # The copy threshold lowered (5 GiB in production): the output is copied in three parts.
+    monkeypatch.setattr(storage, "multipart_copy_threshold", 5 << 20)
+    monkeypatch.setattr(storage, "copy_part_size", 5 << 20)
+    copy_part = storage.client.upload_part_copy
+
+    def killed_at_the_second_part(**kwargs: object) -> dict:
+        if kwargs["PartNumber"] == 2:
+            raise _Killed
+        return copy_part(**kwargs)
+
+    with monkeypatch.context() as m:  # a process killed there aborts and removes nothing
+        m.setattr(storage.client, "upload_part_copy", killed_at_the_second_part)
+        m.setattr(storage, "_abort_upload", lambda *args: None)
+        m.setattr("ckptconv.engine.publish._unpublish", lambda *args: False)
+        with pytest.raises(_Killed):
+            in_process.tasks.JobRun(in_process.store, in_process.settings, job_id).execute()
+    assert _uploads(bucket, f"team/{name}-out/") == [f"team/{name}-out/model.mdl"]
+    return job_id
+
+
+def _uploads(bucket: str, prefix: str) -> list[str]:
+    found = boto3.client("s3").list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    return sorted(u["Key"] for u in found)
+
+
+def test_a_job_cancelled_after_its_publication_was_killed_mid_part_copy_leaves_no_upload(
+    in_process: SimpleNamespace, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    job_id = _killed_mid_part_copy(in_process, bucket, "killed-cancel", monkeypatch)
+    # An upload of another key with the same beginning (another writer's) is not this job's.
+    other = open_storage(f"s3://{bucket}/").open_writer(
+        f"s3://{bucket}/team/killed-cancel-out/model.mdl.part", part_size=5 << 20
+    )
+    other.write(bytes(5 << 20) + b"x")
+    try:
+        with TestClient(create_app(in_process.settings)) as c:
+            assert c.post(f"/v1/jobs/{job_id}/cancel").raise_for_status().json()["state"] == "cancelling"
+        in_process.tasks.JobRun(in_process.store, in_process.settings, job_id).execute()  # the next delivery
+        assert in_process.store.get(job_id)["state"] == "cancelled"
+        assert _uploads(bucket, "team/killed-cancel-out/") == ["team/killed-cancel-out/model.mdl.part"]
+        assert list(listing(bucket, "team/killed-cancel-out")) == ["team/killed-cancel-out/model.mdl.ckptconv-job.json"]
+    finally:
+        other.abort()
+
+
+def test_a_job_failed_after_its_publication_was_killed_mid_part_copy_leaves_no_upload(
+    in_process: SimpleNamespace, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = _killed_mid_part_copy(in_process, bucket, "killed-fail", monkeypatch)
+    # Its attempts exhausted (the reaper queues the job again; the worker that receives it fails it).
+    settings = in_process.settings.model_copy(update={"max_attempts": 1})
+    in_process.tasks.JobRun(in_process.store, settings, job_id).execute()
+    rec = in_process.store.get(job_id)
+    assert rec["state"] == "failed" and json.loads(rec["error"])["code"] == "worker_lost"
+    assert _uploads(bucket, "team/killed-fail-out/") == []
+    assert list(listing(bucket, "team/killed-fail-out")) == ["team/killed-fail-out/model.mdl.ckptconv-job.json"]
+
+
 # --- real workers: duplicate delivery, Redis restarted, time limits ------------------------------
 
 

@@ -16,7 +16,15 @@ from ckptconv.core.errors import (
     VerificationFailed,
 )
 from ckptconv.core.fencing import fence
-from ckptconv.engine.staging import _attempt_stagings, _discard_after_failure, _discard_job, _Layout, _read_json
+from ckptconv.engine.staging import (
+    _attempt_stagings,
+    _discard_after_failure,
+    _discard_job,
+    _Layout,
+    _read_json,
+    _staged_manifest,
+    abort_interrupted_copies,
+)
 from ckptconv.formats.base import OutputFile
 from ckptconv.storage.base import Storage
 from ckptconv.storage.digests import stored_digests
@@ -95,28 +103,8 @@ def _resume(layout: _Layout, job_id: str | None) -> ConvertResult | None:
     for staged in _attempt_stagings(layout, job_id):
         found = _staged_manifest(staged)
         if found is not None:
-            _abort_interrupted_copies(storage, found[2])
+            abort_interrupted_copies(storage, found[2])
             return _publish(staged, job_id)
-    return None
-
-
-def _abort_interrupted_copies(storage: Storage, doc: dict[str, Any]) -> None:
-    """An S3 publication killed while it copied a file in parts left a multipart upload at the
-    file's final key, which the next try does not reuse (it copies afresh): abort those uploads,
-    which hold up to a whole copy of the file and are otherwise never removed."""
-    for f in doc["files"]:
-        abort = getattr(storage.backend(f["uri"]), "abort_uploads", None)
-        if abort is not None:
-            abort(f["uri"], exact=True)
-
-
-def _staged_manifest(layout: _Layout) -> tuple[str, str, dict[str, Any]] | None:
-    """(staged URI, final URI, document) of the manifest in this staging area, if it has one."""
-    for uri in layout.manifest_candidates():
-        candidate = layout.storage.join(layout.staging, uri[len(layout.parent) + 1 :])
-        doc = _read_json(layout.storage, candidate)
-        if doc is not None:
-            return candidate, uri, doc
     return None
 
 

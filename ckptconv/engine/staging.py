@@ -107,13 +107,43 @@ def _discard_job(layout: _Layout, job_id: str | None) -> None:
 
 
 def discard_staging(target: str, job_id: str, staging: str | None = None) -> None:
-    """Remove what a job (e.g. one whose worker died) left in its staging areas; idempotent."""
+    """Remove what a job (e.g. one whose worker died) left in its staging areas, and the unfinished
+    copies of a publication of it killed mid-copy; idempotent.
+
+    For a job that ends without publishing (cancelled, failed, out of attempts), before its final
+    state releases its target: the copies are aborted at the exact final keys its staged manifests
+    name, which no other live job's publication may use (the target is this job's meanwhile)."""
     target = normalize_uri(target)
     layout = _layout(open_storage(target), target, staging, job_id)
+    for area in [layout] if staging is not None else _attempt_stagings(layout, job_id):
+        found = _staged_manifest(area)
+        if found is not None:  # publication starts only once the manifest is staged
+            abort_interrupted_copies(layout.storage, found[2])
     if staging is not None:
         _discard(layout)
     else:
         _discard_job(layout, job_id)
+
+
+def abort_interrupted_copies(storage: Storage, doc: dict[str, Any]) -> None:
+    """Abort the unfinished uploads a publication of the staged manifest ``doc`` killed while it
+    copied a file in parts left at that file's final key (exactly: not at longer keys beginning
+    with it). Nothing reuses them (publication copies afresh) and each holds up to a whole copy of
+    the file, never removed otherwise: the staging area's removal does not reach final keys."""
+    for f in doc["files"]:
+        abort = getattr(storage.backend(f["uri"]), "abort_publication", None)
+        if abort is not None:
+            abort(f["uri"], f["size"])
+
+
+def _staged_manifest(layout: _Layout) -> tuple[str, str, dict[str, Any]] | None:
+    """(staged URI, final URI, document) of the manifest in this staging area, if it has one."""
+    for uri in layout.manifest_candidates():
+        candidate = layout.storage.join(layout.staging, uri[len(layout.parent) + 1 :])
+        doc = _read_json(layout.storage, candidate)
+        if doc is not None:
+            return candidate, uri, doc
+    return None
 
 
 def _read_json(storage: Storage, uri: str) -> dict[str, Any] | None:

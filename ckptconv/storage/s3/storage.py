@@ -354,6 +354,14 @@ class S3Storage(Storage):
             self._abort_upload(bucket, key, upload_id, s3_uri(bucket, key))
         return len(uploads)
 
+    def abort_publication(self, uri: str, size: int) -> int:
+        """Abort the unfinished multipart uploads at exactly ``uri`` that a publication of a
+        ``size``-byte object there, killed mid-copy, may have left: none for an object ``publish``
+        copies in one CopyObject, which leaves no upload (nor lists uploads for nothing)."""
+        if size <= self.multipart_copy_threshold:
+            return 0
+        return self.abort_uploads(uri, exact=True)
+
     def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
         """Copy each staging object to its final key (server-side), in order, then delete the staging
         key (a delete that fails is logged, not raised: the final object is in place).
