@@ -521,6 +521,76 @@ def test_s3_multipart_publish_refuses_a_staged_object_replaced_after_its_check(s
     assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
+def test_s3_publish_copies_only_the_object_it_checked(s3_bucket):
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage(max_attempts=1)
+    staged, final = f"s3://{s3_bucket}/stage/m", f"s3://{s3_bucket}/out/m"
+    storage.write_bytes(staged, b"checkpoint bytes")
+    etag = storage.stat(staged).etag
+    copy, sent = storage.client.copy_object, []
+
+    def recorded(**kwargs):
+        sent.append(kwargs)
+        return copy(**kwargs)
+
+    storage.client.copy_object = recorded
+    storage.publish([(staged, final)])
+    assert storage.read_all(final) == b"checkpoint bytes" and len(sent) == 1
+    # The copy names the ETag publish checked: a store refuses it for an object replaced since.
+    assert sent[0].get("CopySourceIfMatch") == f'"{etag}"'
+
+
+def _stubbed_copy_refused(target_present: bool):
+    """An S3Storage whose client answers a one-object publish as a store does when the staged
+    object was replaced after publish checked it (CopySourceIfMatch fails) or when another writer
+    created the target meanwhile (If-None-Match fails): both are a 412, told apart by a HEAD of
+    the target. moto ignores both preconditions on CopyObject, hence botocore's stub."""
+    import datetime
+
+    import boto3
+    from botocore.stub import ANY, Stubber
+
+    from ckptconv.storage.s3 import S3Storage
+
+    client = boto3.client(
+        "s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x", endpoint_url="http://s3.test"
+    )
+    stub = Stubber(client)
+    checked = {"ContentLength": 5, "ETag": '"aaaa"', "LastModified": datetime.datetime.now(datetime.UTC)}
+    stub.add_response("head_object", checked, {"Bucket": "b", "Key": "stage/m"})  # publish's stat
+    for _ in range(2):  # publish's check, then the create-only write's
+        stub.add_client_error(
+            "head_object", "404", http_status_code=404, expected_params={"Bucket": "b", "Key": "out/m"}
+        )
+    copy = {"Bucket": "b", "Key": "out/m", "CopySource": ANY, "CopySourceIfMatch": '"aaaa"', "IfNoneMatch": "*"}
+    stub.add_client_error("copy_object", "PreconditionFailed", http_status_code=412, expected_params=copy)
+    if target_present:
+        stub.add_response("head_object", {**checked, "ETag": '"bbbb"'}, {"Bucket": "b", "Key": "out/m"})
+    else:
+        stub.add_client_error(
+            "head_object", "404", http_status_code=404, expected_params={"Bucket": "b", "Key": "out/m"}
+        )
+    stub.activate()
+    return S3Storage(client=client, max_attempts=1), stub
+
+
+def test_s3_publish_refuses_a_staged_object_replaced_after_its_check() -> None:
+    from ckptconv.core.errors import VerificationFailed
+
+    storage, stub = _stubbed_copy_refused(target_present=False)
+    with pytest.raises(VerificationFailed, match="changed after publication checked it"):
+        storage.publish([("s3://b/stage/m", "s3://b/out/m")])
+    stub.assert_no_pending_responses()
+
+
+def test_s3_publish_refused_by_a_target_created_meanwhile_is_target_exists() -> None:
+    storage, stub = _stubbed_copy_refused(target_present=True)
+    with pytest.raises(TargetExists):
+        storage.publish([("s3://b/stage/m", "s3://b/out/m")])
+    stub.assert_no_pending_responses()
+
+
 def test_s3_publish_that_placed_its_object_does_not_fail_on_the_staged_copys_removal(s3_bucket):
     # The engine removes only what a publish it saw succeed placed: a publish that raised after its
     # copy reached the target left that object there, without the job's manifest.

@@ -192,7 +192,8 @@ def typed_error(e: ClientError, uri: str) -> Exception:
     if code in _DENIED_CODES or status == 403:
         return StorageError(f"access denied to {uri} ({code}: {message})", hint=_CREDENTIALS_HINT, uri=uri)
     if code in ("PreconditionFailed", "412") or status == 412:
-        # Only create-only writes send preconditions (If-None-Match: *).
+        # Create-only writes send If-None-Match: *; a copy whose CopySourceIfMatch fails tells
+        # the two apart itself (S3Storage._copy_object).
         return TargetExists(f"{uri} already exists", uri=uri)
     if code == "ConditionalRequestConflict":
         return TargetExists(

@@ -390,11 +390,23 @@ class S3Storage(Storage):
     def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
-        kwargs = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
-        if overwrite:
-            self._call(dst, self.client.copy_object, **kwargs)
-        else:
-            self.create_only(dst, self.client.copy_object, ours=lambda got: _same_object(got, info), **kwargs)
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
+        # Copy only the object publish checked (``info``): one replaced since would publish bytes
+        # that no checksum of this job describes.
+        if info.etag:
+            kwargs["CopySourceIfMatch"] = f'"{info.etag}"'
+        try:
+            if overwrite:
+                self._call(dst, self.client.copy_object, **kwargs)
+            else:
+                self.create_only(dst, self.client.copy_object, ours=lambda got: _same_object(got, info), **kwargs)
+        except TargetExists as e:
+            # A 412 answers either precondition: If-None-Match (an object is at ``dst``) or
+            # CopySourceIfMatch (the source changed). Only the target's presence tells which.
+            refused = isinstance(e.__cause__, ClientError) and _precondition_failed(e.__cause__)
+            if refused and info.etag and (overwrite or not self.exists(dst)):
+                raise _source_changed(src) from None
+            raise
 
     def _copy_multipart(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
         src_bucket, src_key = self._object(src)
@@ -481,6 +493,11 @@ class S3Storage(Storage):
 
 def _source_changed(uri: str) -> VerificationFailed:
     return VerificationFailed(f"{uri} changed after publication checked it; nothing was published from it", uri=uri)
+
+
+def _precondition_failed(e: ClientError) -> bool:
+    code, status = error_code(e)
+    return code in ("PreconditionFailed", "412") or status == 412
 
 
 def _same_object(got: ObjectInfo, source: ObjectInfo) -> bool:
