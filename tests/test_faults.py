@@ -449,6 +449,41 @@ def test_a_job_failed_after_its_publication_was_killed_mid_part_copy_leaves_no_u
     assert list(listing(bucket, "team/killed-fail-out")) == ["team/killed-fail-out/model.mdl.ckptconv-job.json"]
 
 
+def test_a_takeover_failing_before_publication_leaves_no_upload_of_the_killed_one(
+    in_process: SimpleNamespace, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = _killed_mid_part_copy(in_process, bucket, "killed-takeover", monkeypatch)
+    # The next attempt fails before it finds the staged output to publish: the source is unreadable now.
+    boto3.client("s3").put_object(Bucket=bucket, Key="team/killed-takeover/model.safetensors", Body=b"not a checkpoint")
+    in_process.tasks.JobRun(in_process.store, in_process.settings, job_id).execute()
+    assert in_process.store.get(job_id)["state"] == "failed"
+    assert _uploads(bucket, "team/killed-takeover-out/") == []
+    mirror = "team/killed-takeover-out/model.mdl.ckptconv-job.json"
+    assert list(listing(bucket, "team/killed-takeover-out")) == [mirror]
+
+
+def test_a_stale_attempt_that_fails_leaves_the_staging_of_the_attempt_that_took_over(
+    in_process: SimpleNamespace, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptconv.core.errors import StorageError
+
+    job_id = in_process.submit("team/stale-fail/model.safetensors", "team/stale-fail-out/model.mdl")
+    store = in_process.store
+    newer = f"team/stale-fail-out/.ckptconv-staging/{job_id}/2/model.mdl"
+
+    def taken_over_then_failing(ctx: object) -> dict:
+        # Another worker took the job over (attempt 2, its lease) and staged its output meanwhile.
+        store.r.hset(store.keys.job(job_id), "attempts", "2")
+        store.r.set(store.keys.lease(job_id), "another-worker", px=60_000)
+        boto3.client("s3").put_object(Bucket=bucket, Key=newer, Body=b"attempt 2's output")
+        raise StorageError("S3 request failed: reset")
+
+    monkeypatch.setattr("ckptconv.jobs.convert.run", taken_over_then_failing)
+    in_process.tasks.JobRun(store, in_process.settings, job_id).execute()
+    assert store.get(job_id)["state"] == "running"  # attempt 2's to finish
+    assert newer in listing(bucket, "team/stale-fail-out/")
+
+
 # --- real workers: duplicate delivery, Redis restarted, time limits ------------------------------
 
 

@@ -219,6 +219,7 @@ class JobRun:
             if self.lease_lost.is_set():
                 pass
             elif self.cancel_requested.is_set() or self._cancel_flag():
+                self._cleanup(module, ctx)
                 self._finish("cancelled", {"error": e.to_problem()})
             else:
                 self._cleanup(module, ctx)
@@ -233,14 +234,15 @@ class JobRun:
             self._finish("failed", {"error": e.to_problem()})
         except CkptconvError as e:
             log.info("job %s failed: %s", self.job_id, e)
-            if isinstance(e, StorageError):
-                # The run discarded its staging already, but at the budget the store just failed:
-                # once more, trying harder, so that no staging object or multipart upload stays.
-                with persistent():
-                    self._cleanup(module, ctx)
+            # The run discarded its own staging, but not what an earlier attempt left when it failed
+            # before reaching it (a publication killed mid-copy: its staged output, and an upload at
+            # a final key). After a storage error, the store just failed at the budget: trying harder.
+            with persistent() if isinstance(e, StorageError) else contextlib.nullcontext():
+                self._cleanup(module, ctx)
             self._finish("failed", {"error": e.public(log, f"job {self.job_id}").to_problem()})
         except Exception as e:
             error = CkptconvError(f"unexpected {type(e).__name__}: {e}").logged(log, f"job {self.job_id}", e)
+            self._cleanup(module, ctx)
             self._finish("failed", {"error": error.to_problem()})
         else:
             if not self.lease_lost.is_set():
@@ -283,11 +285,18 @@ class JobRun:
             deliver_webhook.apply_async(args=[self.job_id], queue=self.settings.interactive_queue)
 
     def _cleanup(self, module: Any, ctx: jobs.JobContext) -> None:
-        if hasattr(module, "cleanup"):
-            try:
-                module.cleanup(ctx)
-            except Exception:
-                log.exception("job %s: cleanup failed", self.job_id)
+        """Remove what the job's attempts left (staging, a killed publication's uploads) before it
+        ends unpublished; only while this attempt owns the job: a stale one would remove the
+        staging, and abort the publication, of the attempt that took the job over."""
+        if not hasattr(module, "cleanup"):
+            return
+        try:
+            if self.lease_lost.is_set() or not self.store.is_current(self.job_id, self.attempt, self.token):
+                log.warning("job %s: attempt %d no longer owns the job; not cleaning up", self.job_id, self.attempt)
+                return
+            module.cleanup(ctx)
+        except Exception:
+            log.exception("job %s: cleanup failed", self.job_id)
 
     # -- callbacks and the heartbeat
 
