@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from killed_copy import killed_at_the_second_part, lower_copy_threshold
 
 from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists
 from ckptconv.engine import run as engine
@@ -259,30 +260,13 @@ def test_concurrent_conversions_do_not_share_staging(tmp_path: Path) -> None:
 def test_a_publication_killed_mid_part_copy_leaves_no_upload_once_the_job_is_taken_over(
     tmp_path: Path, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The copy threshold lowered (5 GiB in production): the staged file is copied in three parts.
-    storage = open_storage(f"s3://{s3_bucket}/")  # the instance every step of the job uses
-    monkeypatch.setattr(storage, "multipart_copy_threshold", 5 << 20)
-    monkeypatch.setattr(storage, "copy_part_size", 5 << 20)
+    lower_copy_threshold(s3_bucket, monkeypatch)  # the staged file is copied in three parts
+    storage = open_storage(f"s3://{s3_bucket}/")
     g = torch.Generator().manual_seed(2)
     src = write_source(tmp_path, "safetensors", {"w": torch.randn(3 << 20, generator=g)})  # 12 MiB
     target = f"s3://{s3_bucket}/out/model.mdl"
-
-    class Killed(BaseException):
-        pass
-
-    copy_part = storage.client.upload_part_copy
-
-    def killed_at_the_second_part(**kwargs: object) -> dict:
-        if kwargs["PartNumber"] == 2:
-            raise Killed
-        return copy_part(**kwargs)
-
-    with monkeypatch.context() as m:  # a process killed there aborts and removes nothing
-        m.setattr(storage.client, "upload_part_copy", killed_at_the_second_part)
-        m.setattr(storage, "_abort_upload", lambda *args: None)
-        m.setattr("ckptconv.engine.publish._unpublish", lambda *args: False)
-        with pytest.raises(Killed):
-            convert(src, target, to="cs-h5", job_id="killed-copy")
+    with killed_at_the_second_part(s3_bucket):
+        convert(src, target, to="cs-h5", job_id="killed-copy")
     uploads = storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
     assert [u["Key"] for u in uploads] == ["out/model.mdl"]
     w = storage.open_writer(f"s3://{s3_bucket}/out/model.mdl.part", part_size=5 << 20)

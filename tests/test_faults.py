@@ -30,6 +30,7 @@ import pytest
 import redis
 import test_e2e_service as e2e
 from conftest import PrivateRedis
+from killed_copy import killed_at_the_second_part, lower_copy_threshold
 from test_e2e_service import Service, check_outputs, listing, make_checkpoint, wait_for
 
 from bench.faultproxy import FaultProxy
@@ -376,33 +377,15 @@ def test_past_the_attempt_budget_the_reaped_job_fails_with_worker_lost(
     assert rec["state"] == "failed" and json.loads(rec["error"])["code"] == "worker_lost"
 
 
-class _Killed(BaseException):
-    """What a SIGKILL does to a publication, in process: it stops where it is."""
-
-
 def _killed_mid_part_copy(in_process: SimpleNamespace, bucket: str, name: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """A job whose worker was killed while publication copied its output in parts: its attempt
     left the staged output and an unfinished multipart upload at the output's final key. Returns
     the job id."""
     make_checkpoint(bucket, f"team/{name}/model.safetensors", 3, dim=1024)  # 12 MiB
     job_id = in_process.submit(f"team/{name}/model.safetensors", f"team/{name}-out/model.mdl")
-    storage = open_storage(f"s3://{bucket}/")  # the instance every step of the job uses
-    # The copy threshold lowered (5 GiB in production): the output is copied in three parts.
-    monkeypatch.setattr(storage, "multipart_copy_threshold", 5 << 20)
-    monkeypatch.setattr(storage, "copy_part_size", 5 << 20)
-    copy_part = storage.client.upload_part_copy
-
-    def killed_at_the_second_part(**kwargs: object) -> dict:
-        if kwargs["PartNumber"] == 2:
-            raise _Killed
-        return copy_part(**kwargs)
-
-    with monkeypatch.context() as m:  # a process killed there aborts and removes nothing
-        m.setattr(storage.client, "upload_part_copy", killed_at_the_second_part)
-        m.setattr(storage, "_abort_upload", lambda *args: None)
-        m.setattr("ckptconv.engine.publish._unpublish", lambda *args: False)
-        with pytest.raises(_Killed):
-            in_process.tasks.JobRun(in_process.store, in_process.settings, job_id).execute()
+    lower_copy_threshold(bucket, monkeypatch)  # the output is copied in three parts
+    with killed_at_the_second_part(bucket):
+        in_process.tasks.JobRun(in_process.store, in_process.settings, job_id).execute()
     assert _uploads(bucket, f"team/{name}-out/") == [f"team/{name}-out/model.mdl"]
     return job_id
 

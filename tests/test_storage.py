@@ -478,6 +478,18 @@ def test_a_persistent_block_tries_at_least_its_attempts_whatever_the_budget() ->
         policy.run(call, transient=lambda e: True, what="x")
 
 
+def _recorded(client, operation: str) -> list[dict]:
+    """The arguments of every call of ``operation`` on the boto3 ``client`` from now on (the calls go through)."""
+    call, sent = getattr(client, operation), []
+
+    def recorded(**kwargs):
+        sent.append(kwargs)
+        return call(**kwargs)
+
+    setattr(client, operation, recorded)
+    return sent
+
+
 def test_s3_multipart_publish_copies_only_the_object_it_checked(s3_bucket):
     from ckptconv.storage.s3 import S3Storage
 
@@ -486,13 +498,7 @@ def test_s3_multipart_publish_copies_only_the_object_it_checked(s3_bucket):
     data = os.urandom(11 * MiB)
     storage.write_bytes(staged, data)
     etag = storage.stat(staged).etag
-    copy_part, sent = storage.client.upload_part_copy, []
-
-    def recorded(**kwargs):
-        sent.append(kwargs)
-        return copy_part(**kwargs)
-
-    storage.client.upload_part_copy = recorded
+    sent = _recorded(storage.client, "upload_part_copy")
     storage.publish([(staged, final)])
     assert storage.read_all(final) == data and len(sent) == 3
     # Each part names the ETag publish checked: a store refuses the copy of an object replaced since.
@@ -528,13 +534,7 @@ def test_s3_publish_copies_only_the_object_it_checked(s3_bucket):
     staged, final = f"s3://{s3_bucket}/stage/m", f"s3://{s3_bucket}/out/m"
     storage.write_bytes(staged, b"checkpoint bytes")
     etag = storage.stat(staged).etag
-    copy, sent = storage.client.copy_object, []
-
-    def recorded(**kwargs):
-        sent.append(kwargs)
-        return copy(**kwargs)
-
-    storage.client.copy_object = recorded
+    sent = _recorded(storage.client, "copy_object")
     storage.publish([(staged, final)])
     assert storage.read_all(final) == b"checkpoint bytes" and len(sent) == 1
     # The copy names the ETag publish checked: a store refuses it for an object replaced since.
