@@ -1,4 +1,4 @@
-"""A publication killed while it copies an S3 object in parts, simulated in process."""
+"""A publication killed while it copies an S3 object in parts, or between two files, simulated in process."""
 
 from __future__ import annotations
 
@@ -37,5 +37,25 @@ def killed_at_the_second_part(bucket: str) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as m, pytest.raises(Killed):
         m.setattr(storage.client, "upload_part_copy", killed)
         m.setattr(storage, "_abort_upload", lambda *args: None)
+        m.setattr("ckptconv.engine.publish._unpublish", lambda *args: False)
+        yield
+
+
+@contextmanager
+def killed_after_the_first_file(target: str) -> Iterator[None]:
+    """Inside, a publication to ``target``'s storage stops as it starts placing its second file,
+    raising :class:`Killed`, and removes nothing: the first file stays at its final name."""
+    storage_class = type(open_storage(target))
+    publish = storage_class.publish
+    calls: list[object] = []
+
+    def killed(self: object, pairs: object, **kwargs: object) -> None:
+        calls.append(pairs)
+        if len(calls) == 2:
+            raise Killed
+        publish(self, pairs, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m, pytest.raises(Killed):
+        m.setattr(storage_class, "publish", killed)
         m.setattr("ckptconv.engine.publish._unpublish", lambda *args: False)
         yield

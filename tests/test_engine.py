@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from killed_copy import killed_at_the_second_part, lower_copy_threshold
+from killed_copy import killed_after_the_first_file, killed_at_the_second_part, lower_copy_threshold
 
 from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists
 from ckptconv.engine import run as engine
@@ -395,3 +395,66 @@ def test_a_conversion_that_only_moves_bytes_never_imports_torch(tmp_path: Path) 
     )
     assert out.stdout.strip() == "False", out.stderr
     assert_same(read_all(src), read_all(str(tmp_path / "b"), "safetensors"))
+
+
+def _target(where: str, tmp_path: Path, s3_bucket: str) -> str:
+    return str(tmp_path / "out" / "model") if where == "local" else f"s3://{s3_bucket}/out/model"
+
+
+def _under(uri: str) -> list[str]:
+    return sorted(i.uri for i in open_storage(uri).list(uri + "/"))
+
+
+def _kill_a_sharded_publication(where: str, tmp_path: Path, s3_bucket: str, job_id: str) -> tuple[str, str, list]:
+    """Convert to a sharded safetensors target, killed once the first shard is placed; returns the
+    source, the target and the final files the staged manifest names."""
+    src = write_source(tmp_path, "safetensors")
+    target = _target(where, tmp_path, s3_bucket)
+    with killed_after_the_first_file(target):
+        convert(src, target, to="safetensors", shard_size="1KB", job_id=job_id)
+    placed = _under(target)
+    assert len(placed) == 1, placed  # one shard, no manifest
+    return src, target, placed
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_job_ending_after_its_publication_was_killed_leaves_nothing_at_the_target(
+    where: str, tmp_path: Path, s3_bucket: str
+) -> None:
+    _, target, _ = _kill_a_sharded_publication(where, tmp_path, s3_bucket, "killed-job")
+    engine.discard_staging(target, "killed-job")  # what the job's cleanup does as it ends unpublished
+    assert _under(target) == []
+    assert _under(target.rsplit("/", 1)[0] + "/" + STAGING_DIR) == []
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_job_ending_unpublished_keeps_what_another_writer_put_at_its_final_names(
+    where: str, tmp_path: Path, s3_bucket: str
+) -> None:
+    _, target, placed = _kill_a_sharded_publication(where, tmp_path, s3_bucket, "killed-job")
+    storage = open_storage(target)
+    staging = storage.join(target.rsplit("/", 1)[0], STAGING_DIR, "killed-job", "0")
+    manifest = json.loads(storage.read_all(storage.join(staging, "model", "manifest.json")))
+    second = next(f for f in manifest["files"] if f["uri"] not in placed)
+    staged = storage.join(staging, second["path"])
+    # Another writer's file at a final name the job had not reached, even with the same bytes.
+    storage.write_bytes(second["uri"], storage.read_all(staged))
+    # And one that replaced the shard the job placed.
+    storage.delete(placed[0])
+    storage.write_bytes(placed[0], b"someone else's bytes")
+    engine.discard_staging(target, "killed-job")
+    assert _under(target) == sorted([placed[0], second["uri"]])
+    assert storage.read_all(placed[0]) == b"someone else's bytes"
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_takeover_resumes_a_killed_publication_and_publishes_everything(
+    where: str, tmp_path: Path, s3_bucket: str
+) -> None:
+    src, target, _ = _kill_a_sharded_publication(where, tmp_path, s3_bucket, "killed-job")
+    result = convert(src, target, to="safetensors", shard_size="1KB", job_id="killed-job")
+    assert result.verify["ok"] and result.job_id == "killed-job"
+    assert_same(read_all(src), read_all(target))
+    assert sorted([*(o.uri for o in result.outputs), result.manifest]) == _under(target)
+    engine.discard_staging(target, "killed-job")  # a late cleanup: the published output stays
+    assert_same(read_all(src), read_all(target))

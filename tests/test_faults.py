@@ -30,7 +30,7 @@ import pytest
 import redis
 import test_e2e_service as e2e
 from conftest import PrivateRedis
-from killed_copy import killed_at_the_second_part, lower_copy_threshold
+from killed_copy import killed_after_the_first_file, killed_at_the_second_part, lower_copy_threshold
 from test_e2e_service import Service, check_outputs, listing, make_checkpoint, wait_for
 
 from bench.faultproxy import FaultProxy
@@ -430,6 +430,32 @@ def test_a_job_failed_after_its_publication_was_killed_mid_part_copy_leaves_no_u
     assert rec["state"] == "failed" and json.loads(rec["error"])["code"] == "worker_lost"
     assert _uploads(bucket, "team/killed-fail-out/") == []
     assert list(listing(bucket, "team/killed-fail-out")) == ["team/killed-fail-out/model.mdl.ckptconv-job.json"]
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_a_job_ending_after_its_publication_was_killed_before_the_manifest_leaves_no_file(
+    in_process: SimpleNamespace, bucket: str, ending: str
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    name = f"killed-placed-{ending}"
+    make_checkpoint(bucket, f"team/{name}/model.safetensors", 2)
+    job_id = in_process.submit(f"team/{name}/model.safetensors", f"team/{name}-out/model.mdl")
+    with killed_after_the_first_file(f"s3://{bucket}/"):
+        in_process.tasks.JobRun(in_process.store, in_process.settings, job_id).execute()
+    mirror = f"team/{name}-out/model.mdl.ckptconv-job.json"
+    assert f"team/{name}-out/model.mdl" in list(listing(bucket, f"team/{name}-out"))  # the data file, no manifest
+    settings = in_process.settings
+    if ending == "cancelled":
+        with TestClient(create_app(settings)) as c:
+            assert c.post(f"/v1/jobs/{job_id}/cancel").raise_for_status().json()["state"] == "cancelling"
+    else:  # its attempts exhausted: the worker that receives it again fails it
+        settings = settings.model_copy(update={"max_attempts": 1})
+    in_process.tasks.JobRun(in_process.store, settings, job_id).execute()
+    assert in_process.store.get(job_id)["state"] == ending
+    assert list(listing(bucket, f"team/{name}-out")) == [mirror]
 
 
 def test_a_takeover_failing_before_publication_leaves_no_upload_of_the_killed_one(

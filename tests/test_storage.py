@@ -191,6 +191,24 @@ def test_s3_user_metadata_survives_multipart_and_publish(s3_bucket):
     assert storage.client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
+def test_s3_publish_names_its_owner_beside_the_objects_metadata_on_both_copy_paths(s3_bucket):
+    from ckptconv.storage.base import OWNER_METADATA
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage(multipart_copy_threshold=5 * MiB, copy_part_size=5 * MiB)
+    meta = {"metadata": '{"__NUMPY__": true}'}
+    pairs = []
+    for name, data in [("small", b"tiny"), ("big", os.urandom(11 * MiB))]:
+        with storage.open_writer(f"s3://{s3_bucket}/stage/{name}", metadata=meta, part_size=5 * MiB) as w:
+            w.write(data)
+        pairs.append((f"s3://{s3_bucket}/stage/{name}", f"s3://{s3_bucket}/out/{name}"))
+    content_type = storage.client.head_object(Bucket=s3_bucket, Key="stage/small").get("ContentType")
+    storage.publish(pairs, owner="job-1")
+    for _, final in pairs:
+        assert storage.user_metadata(final) == {**meta, OWNER_METADATA: "job-1"}
+    assert storage.client.head_object(Bucket=s3_bucket, Key="out/small").get("ContentType") == content_type
+
+
 def test_s3_publish_copies_the_parts_of_a_large_object_concurrently(s3_bucket):
     import threading
     import time

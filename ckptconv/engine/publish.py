@@ -24,6 +24,7 @@ from ckptconv.engine.staging import (
     _read_json,
     _staged_manifest,
     abort_interrupted_copies,
+    record_placement,
 )
 from ckptconv.formats.base import OutputFile
 from ckptconv.storage.base import Storage
@@ -134,6 +135,8 @@ def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
     if found is None:
         raise VerificationFailed("the staged output has no manifest; nothing was published")
     staged_manifest, final_manifest, doc = found
+    if job_id is not None:
+        record_placement(layout, doc)
     placed: list[str] = []
     try:
         for f in doc["files"]:
@@ -147,10 +150,10 @@ def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
             if not storage.exists(staged):
                 raise VerificationFailed(f"staged file {f['path']} vanished before publication")
             fence(job_id)
-            storage.publish([(staged, f["uri"])], overwrite=False)
+            storage.publish([(staged, f["uri"])], overwrite=False, owner=job_id)
             placed.append(f["uri"])
         fence(job_id)
-        storage.publish([(staged_manifest, final_manifest)], overwrite=False)
+        storage.publish([(staged_manifest, final_manifest)], overwrite=False, owner=job_id)
     except LeaseLost:
         raise
     except BaseException:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -12,18 +15,21 @@ from typing import Any
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import (
     ObjectNotFound,
+    TargetExists,
 )
 from ckptconv.core.fencing import current_attempt
 from ckptconv.core.uri import basename, normalize_uri
 from ckptconv.core.uri import parent as parent_of
 from ckptconv.storage import open_storage
-from ckptconv.storage.base import Storage
+from ckptconv.storage.base import OWNER_METADATA, Storage
 
 log = logging.getLogger(__name__)
 
 STAGING_DIR = ".ckptconv-staging"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SUFFIX = ".manifest.json"
+# In an attempt's staging area: what identifies the files its publication placed (local files).
+PLACEMENT_NAME = ".ckptconv-placement.json"
 
 
 @dataclass(frozen=True)
@@ -112,13 +118,15 @@ def discard_staging(target: str, job_id: str, staging: str | None = None) -> Non
 
     For a job that ends without publishing (cancelled, failed, out of attempts), before its final
     state releases its target: the copies are aborted at the exact final keys its staged manifests
-    name, which no other live job's publication may use (the target is this job's meanwhile)."""
+    name, which no other live job's publication may use (the target is this job's meanwhile), and
+    the files a killed publication of it placed there are removed (see :func:`_unplace`)."""
     target = normalize_uri(target)
     layout = _layout(open_storage(target), target, staging, job_id)
     for area in [layout] if staging is not None else _attempt_stagings(layout, job_id):
         found = _staged_manifest(area)
         if found is not None:  # publication starts only once the manifest is staged
             abort_interrupted_copies(layout.storage, found[2])
+            _unplace(area, found[1], found[2], job_id)
     if staging is not None:
         _discard(layout)
     else:
@@ -161,3 +169,62 @@ def _discard_after_failure(layout: _Layout) -> None:
         _discard(layout)
     except Exception as e:
         log.warning("could not discard the staging area %s: %s", layout.staging, e)
+
+
+def record_placement(layout: _Layout, doc: dict[str, Any]) -> None:
+    """Before publication places its first file: the identity (device, inode, size, mtime) of each
+    staged local file, which the placed file keeps (publication links it). Written once: a resumed
+    publication finds some staged files already moved, and the first record names them all."""
+    storage = layout.storage
+    uri = storage.join(layout.staging, PLACEMENT_NAME)
+    if storage.exists(uri):
+        return
+    facts: dict[str, list[int]] = {}
+    for f in doc["files"]:
+        path = storage.local_path(storage.join(layout.staging, f["path"]))
+        if path is None:
+            return  # not local: publish names the job in each object's metadata instead
+        with contextlib.suppress(FileNotFoundError):
+            facts[f["uri"]] = _identity(os.stat(path))
+    with contextlib.suppress(TargetExists):
+        storage.write_bytes(uri, json.dumps(facts).encode())
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _unplace(area: _Layout, final_manifest: str, doc: dict[str, Any], job_id: str) -> None:
+    """Remove the final files of ``doc`` that a publication of this job placed and, killed, left
+    without their manifest; never one it cannot prove it placed (another writer's bytes, even the
+    same ones): a local file must be the staged file's inode, an object must name the job."""
+    storage = area.storage
+    published = _read_json(storage, final_manifest)
+    if published is not None and published.get("job_id") == job_id:
+        return  # the publication finished: those files are the job's output
+    placement = _read_json(storage, storage.join(area.staging, PLACEMENT_NAME)) or {}
+    for f in reversed(doc["files"]):
+        uri = f["uri"]
+        try:
+            ours = _placed_by(storage, uri, job_id, placement.get(uri))
+        except ObjectNotFound:
+            continue
+        if ours:
+            with contextlib.suppress(ObjectNotFound):
+                storage.delete(uri)
+            log.info("removed %s, placed by job %s whose publication did not finish", uri, job_id)
+        else:
+            log.warning("left %s at the target: job %s did not place it", uri, job_id)
+
+
+def _placed_by(storage: Storage, uri: str, job_id: str, identity: list[int] | None) -> bool:
+    """Whether this job's publication placed ``uri``; ObjectNotFound when nothing is there."""
+    path = storage.local_path(uri)
+    if path is not None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{uri} does not exist", uri=uri) from None
+        return identity is not None and _identity(st) == identity
+    user_metadata = getattr(storage, "user_metadata", None)
+    return user_metadata is not None and user_metadata(uri).get(OWNER_METADATA) == job_id

@@ -40,6 +40,10 @@ BLOCK_SIZE = 8 << 20
 # Part size of a streaming writer whose caller does not choose one (``open_writer``).
 STREAM_PART_SIZE = 64 << 20
 
+# The user-metadata key (``x-amz-meta-ckptconv-job`` on S3) under which ``publish`` names the job
+# that placed an object.
+OWNER_METADATA = "ckptconv-job"
+
 
 def streaming_buffer_bytes(part_size: int = STREAM_PART_SIZE) -> int:
     """Bytes a streaming S3 writer buffers at most: the part being filled and the one uploading
@@ -183,8 +187,12 @@ class Storage(abc.ABC):
         return n
 
     @abc.abstractmethod
-    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
-        """Move each (staging_uri, final_uri) in order; TargetExists if a final URI exists."""
+    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False, owner: str | None = None) -> None:
+        """Move each (staging_uri, final_uri) in order; TargetExists if a final URI exists.
+
+        ``owner`` (a job id) is recorded with each placed object where the backend keeps user
+        metadata (under :data:`OWNER_METADATA`): what tells a job's files from others' bytes when
+        the job removes what a killed publication of it placed."""
 
     def backend(self, uri: str) -> Storage:
         """The backend itself, for code that drives its own interface on ``uri`` and nothing else (an

@@ -148,12 +148,12 @@ class ConfinedStorage(Storage):
             n += 1
         return n
 
-    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
+    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False, owner: str | None = None) -> None:
         pairs = list(pairs)
         for src, dst in pairs:
             self._check(src)
             self._check(dst)
-        self.inner.publish(pairs, overwrite=overwrite)
+        self.inner.publish(pairs, overwrite=overwrite, owner=owner)
 
     def local_path(self, uri: str) -> Path | None:
         # A local path lets a library (h5py, mmap) read the file directly: hand it out only in scope.

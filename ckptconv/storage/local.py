@@ -385,12 +385,13 @@ class LocalStorage(Storage):
                     os.rmdir(root)
         return n
 
-    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
+    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False, owner: str | None = None) -> None:
         """Rename each staging file to its final name, in order.
 
         Every source is checked to exist, and (unless ``overwrite``) every target to be absent,
         before the first move, so a refused publish moves nothing. Across filesystems the file
-        is copied (streamed) and then removed.
+        is copied (streamed) and then removed. ``owner`` is not recorded: a placed file keeps the
+        staged file's inode (on one filesystem), which is what tells it from others' files.
         """
         pairs = list(pairs)
         for src, dst in pairs:

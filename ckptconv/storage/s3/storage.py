@@ -15,7 +15,7 @@ from botocore.exceptions import ClientError
 from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists, VerificationFailed
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import s3_uri, split_s3
-from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, RangeReader, Storage, Writer
+from ckptconv.storage.base import OWNER_METADATA, STREAM_PART_SIZE, ObjectInfo, RangeReader, Storage, Writer
 from ckptconv.storage.ranges import check_range
 from ckptconv.storage.retry import RetryPolicy
 from ckptconv.storage.s3.client import (
@@ -362,9 +362,10 @@ class S3Storage(Storage):
             return 0
         return self.abort_uploads(uri, exact=True)
 
-    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False) -> None:
+    def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False, owner: str | None = None) -> None:
         """Copy each staging object to its final key (server-side), in order, then delete the staging
-        key (a delete that fails is logged, not raised: the final object is in place).
+        key (a delete that fails is logged, not raised: the final object is in place). With an
+        ``owner``, each copy names it in its user metadata (:data:`OWNER_METADATA`).
 
         Every source is checked to exist, and (unless ``overwrite``) every target to be absent,
         before the first copy, so a refused publish changes nothing.
@@ -377,9 +378,9 @@ class S3Storage(Storage):
                     raise TargetExists(f"{dst} already exists", uri=dst)
         for (src, dst), info in zip(pairs, infos, strict=True):
             if info.size <= self.multipart_copy_threshold:
-                self._copy_object(src, dst, info, overwrite=overwrite)
+                self._copy_object(src, dst, info, overwrite=overwrite, owner=owner)
             else:
-                self._copy_multipart(src, dst, info, overwrite=overwrite)
+                self._copy_multipart(src, dst, info, overwrite=overwrite, owner=owner)
             try:
                 self.delete(src)
             except StorageError as e:
@@ -387,10 +388,17 @@ class S3Storage(Storage):
                 # a publish it saw succeed placed. The staged copy goes with its staging area.
                 log.warning("published %s but could not remove its staged copy %s: %s", dst, src, e)
 
-    def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
+    def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool, owner: str | None) -> None:
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
+        if owner is not None:
+            # Replacing the metadata replaces all of it: the source's is carried over by hand.
+            head = self._head(src, src_bucket, src_key)
+            kwargs["MetadataDirective"] = "REPLACE"
+            kwargs["Metadata"] = {**head.get("Metadata", {}), OWNER_METADATA: owner}
+            if head.get("ContentType"):
+                kwargs["ContentType"] = head["ContentType"]
         # Copy only the object publish checked (``info``): one replaced since would publish bytes
         # that no checksum of this job describes.
         if info.etag:
@@ -408,7 +416,7 @@ class S3Storage(Storage):
                 raise _source_changed(src) from None
             raise
 
-    def _copy_multipart(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool) -> None:
+    def _copy_multipart(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool, owner: str | None) -> None:
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
         head = self._head(src, src_bucket, src_key)
@@ -417,7 +425,8 @@ class S3Storage(Storage):
         if int(head["ContentLength"]) != info.size or clean_etag(head.get("ETag")) != info.etag:
             raise _source_changed(src)
         pinned = {"CopySourceIfMatch": f'"{info.etag}"'} if info.etag else {}
-        create: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": head.get("Metadata", {})}
+        metadata = {**head.get("Metadata", {}), **({OWNER_METADATA: owner} if owner is not None else {})}
+        create: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": metadata}
         if head.get("ContentType"):
             create["ContentType"] = head["ContentType"]
         size = info.size
