@@ -31,6 +31,7 @@ from ckptconv.formats.base import OutputFile
 from ckptconv.formats.detect import open_source
 from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.storage import open_storage
+from ckptconv.storage.base import OWNER_METADATA
 from ckptconv.storage.digests import holds_output
 
 MiB = 1 << 20
@@ -385,9 +386,15 @@ def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
 
 
 def _objects(result, base: str) -> list[tuple[str, str, dict]]:
-    """Each output object of a cs-s3 checkpoint under ``base``: its name, sha256 and S3 user metadata."""
+    """Each output object of a cs-s3 checkpoint under ``base``: its name, sha256 and S3 user metadata
+    (but the id of the job that placed it, which names each job's own)."""
     storage = open_storage(base)
-    meta = (lambda uri: storage.user_metadata(uri)) if base.startswith("s3://") else (lambda uri: {})
+
+    def meta(uri: str) -> dict:
+        if not base.startswith("s3://"):
+            return {}
+        return {k: v for k, v in storage.user_metadata(uri).items() if k != OWNER_METADATA}
+
     return sorted((o.uri[len(base) :], _sha(o.uri), meta(o.uri)) for o in result.outputs)
 
 
