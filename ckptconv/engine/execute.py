@@ -69,6 +69,12 @@ ProgressFn = Callable[[Progress], None]
 CancelFn = Callable[[], bool]
 
 
+def check_cancelled(cancelled: CancelFn | None) -> None:
+    """Raise Cancelled when ``cancelled()`` says so (nothing has been published at any caller)."""
+    if cancelled is not None and cancelled():
+        raise Cancelled("cancelled by request; nothing was published")
+
+
 class ProgressReporter:
     """Throttles progress callbacks to ``hz`` per second; stage changes always report."""
 
@@ -241,8 +247,7 @@ def execute(
         reporter.stage("converting", plan.tensors_total, plan.bytes_total)
         try:
             for step in plan.steps:
-                if cancelled is not None and cancelled():
-                    raise Cancelled("cancelled by request; nothing was published")
+                check_cancelled(cancelled)
                 out = step.out
                 if out.kind == "link":
                     continue
@@ -384,8 +389,7 @@ def verify_output(
     for key, want in written.items():
         if key not in got:
             continue
-        if cancelled is not None and cancelled():
-            raise Cancelled("cancelled by request; nothing was published")
+        check_cancelled(cancelled)
         have = got[key]
         if want.kind == "link":
             if have.kind == "link":

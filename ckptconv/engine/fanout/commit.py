@@ -8,9 +8,16 @@ from typing import Any
 
 import xxhash
 
-from ckptconv.core.errors import Cancelled, VerificationFailed
+from ckptconv.core.errors import VerificationFailed
 from ckptconv.core.fencing import fence
-from ckptconv.engine.execute import CancelFn, ProgressReporter, VerifyReport, check_written, verify_output
+from ckptconv.engine.execute import (
+    CancelFn,
+    ProgressReporter,
+    VerifyReport,
+    check_cancelled,
+    check_written,
+    verify_output,
+)
 from ckptconv.engine.fanout.records import _part_uri, _read_doc
 from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
@@ -41,7 +48,7 @@ def _commit(
     cancelled: CancelFn | None = None,
 ) -> None:
     storage = layout.storage
-    _check_cancelled(cancelled)  # the parts may all have been recorded since the last look
+    check_cancelled(cancelled)  # the parts may all have been recorded since the last look
     t1 = time.monotonic()
     records = []
     for i, ranges in enumerate(doc["parts"]):
@@ -85,7 +92,7 @@ def _commit(
         # An upload's parts were hashed as they went out: its block digest, without reading it back.
         blocks = _block_digest(records, fi, f, doc["part_size"], tail_blocks.get(fi, {}))
         parts = [p for record in records for p in record["uploaded"].get(str(fi), [])] + tail_parts.get(fi, [])
-        _check_cancelled(cancelled)
+        check_cancelled(cancelled)
         fence(job_id)
         upload = PartUpload(storage.backend(f.uri), f.uri, part_size=doc["part_size"], upload_id=described["upload_id"])
         upload.complete_parts(parts, f.size)
@@ -108,7 +115,7 @@ def _commit(
         writer_buffers=upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0,
     )
     facts = {"parallelism": len(doc["parts"]), **(extras or {})}
-    _check_cancelled(cancelled)
+    check_cancelled(cancelled)
     stage_manifest(
         layout,
         src,
@@ -121,11 +128,6 @@ def _commit(
         memory=memory,
         extras=facts,
     )
-
-
-def _check_cancelled(cancelled: CancelFn | None) -> None:
-    if cancelled is not None and cancelled():
-        raise Cancelled("cancelled by request; nothing was published")
 
 
 def _check_tiling(doc: dict[str, Any]) -> None:
@@ -169,7 +171,7 @@ def _hash_file(
         h = xxhash.xxh3_128()
         pos = s
         while pos < e:
-            _check_cancelled(cancelled)
+            check_cancelled(cancelled)
             block = buf[: min(len(buf), e - pos)]
             storage.read_into(uri, pos, block)  # one block in several ranged GETs at once on S3
             sha.update(block)

@@ -10,10 +10,17 @@ from typing import Any
 
 import xxhash
 
-from ckptconv.core.errors import Cancelled, TargetExists, VerificationFailed
+from ckptconv.core.errors import TargetExists, VerificationFailed
 from ckptconv.core.fencing import fence
 from ckptconv.core.uri import normalize_uri
-from ckptconv.engine.execute import CancelFn, apply_transform, check_produced, check_written, value_digest
+from ckptconv.engine.execute import (
+    CancelFn,
+    apply_transform,
+    check_cancelled,
+    check_produced,
+    check_written,
+    value_digest,
+)
 from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri
 from ckptconv.engine.fanout.runner import PartRunner
 from ckptconv.engine.fanout.tail import HeldUpload, held_uri
@@ -156,8 +163,7 @@ def run_part(
                         piece = memoryview(gaps[fi])[at : at + n]
                     else:
                         if current is None or current[0] != span.source:
-                            if cancelled is not None and cancelled():
-                                raise Cancelled("cancelled by request; nothing was published")
+                            check_cancelled(cancelled)
                             current = None  # drop the previous value before reading the next
                             value = compute(steps[span.source], read)
                             digests[span.source] = value_digest(value)

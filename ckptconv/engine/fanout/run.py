@@ -9,11 +9,11 @@ import logging
 import time
 from typing import Any
 
-from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest, ObjectNotFound, TargetExists
+from ckptconv.core.errors import CkptconvError, InvalidRequest, ObjectNotFound, TargetExists
 from ckptconv.core.fencing import fence
 from ckptconv.core.uri import basename, normalize_uri
 from ckptconv.core.version import __version__
-from ckptconv.engine.execute import CancelFn, ProgressFn, ProgressReporter, value_digest
+from ckptconv.engine.execute import CancelFn, ProgressFn, ProgressReporter, check_cancelled, value_digest
 from ckptconv.engine.fanout.commit import _commit
 from ckptconv.engine.fanout.part import _reading, compute, run_part
 from ckptconv.engine.fanout.records import _adopt, _doc_uri, _gaps_uri, _home, _part_uri, _read_doc
@@ -355,8 +355,7 @@ def _await_parts(
     reused_bytes = sum(e - s for r in reused.values() for _, s, e, _ in r["ranges"])
     mine = max(pending, default=-1)  # run at once: this worker is one of the job's workers
     while pending:
-        if cancelled is not None and cancelled():
-            raise Cancelled("cancelled by request; nothing was published")
+        check_cancelled(cancelled)
         problem = runner.failure()
         if problem is not None:
             raise CkptconvError.from_problem(problem)
