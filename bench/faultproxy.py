@@ -58,7 +58,10 @@ class FaultProxy:
         self.counts: collections.Counter[str] = collections.Counter()
         self.requests = 0
         # Every request is held this long before it is forwarded, so that requests a client sends
-        # at once are seen in flight together; ``in_flight`` / ``peak_in_flight`` count them.
+        # at once are seen in flight together; ``in_flight`` / ``peak_in_flight`` count them, from
+        # a request's arrival until its answer starts out. Not later: a client that has its answer
+        # may send its next request before this thread is scheduled again, and a count that went
+        # on to the end of the send would see one request more in flight than the client had.
         self.delay_s = delay_s
         self.in_flight = 0
         self.peak_in_flight = 0
@@ -125,6 +128,10 @@ class FaultProxy:
         if self.delay_s:
             time.sleep(self.delay_s)
 
+    def _left(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
     # --- one client connection -------------------------------------------------------------
 
     def _serve(self, client: socket.socket) -> None:
@@ -139,10 +146,19 @@ class FaultProxy:
                 if self.on_request is not None:
                     self.on_request(method, target, {k.lower(): v for k, v in headers})
                 self._arrived()
+                counted = True
+
+                def answer_starts() -> None:
+                    nonlocal counted
+                    if counted:
+                        counted = False
+                        self._left()
+
                 try:
                     fault = self._pick()
                     is_head = method == "HEAD"
                     if fault == "error":
+                        answer_starts()
                         client.sendall(_response_bytes(500, "Internal Server Error", [], _ERROR_BODY, head=is_head))
                         continue
                     if upstream is None:
@@ -158,19 +174,23 @@ class FaultProxy:
                         upstream.close()
                         upstream = None
                     if fault == "lost":
+                        answer_starts()
                         client.sendall(_response_bytes(500, "Internal Server Error", [], _ERROR_BODY, head=is_head))
                         continue
                     whole = _response_bytes(resp.status, resp.reason, out_headers, data, head=is_head)
                     if fault is None:
+                        answer_starts()
                         client.sendall(whole)
                         continue
                     if fault == "nolength":
                         kept = [(k, v) for k, v in out_headers if k.lower() not in ("content-length", "connection")]
                         kept.append(("Connection", "close"))
                         head = _response_bytes(resp.status, resp.reason, kept, b"", head=True)
+                        answer_starts()
                         client.sendall(head + data[: len(data) // 2])
                         return
                     cut = len(whole) - len(data) + len(data) // 2 if data else len(whole) // 2
+                    answer_starts()
                     client.sendall(whole[:cut])
                     if fault == "stall":
                         time.sleep(self.stall_s)
@@ -181,8 +201,7 @@ class FaultProxy:
                     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return
                 finally:
-                    with self._lock:
-                        self.in_flight -= 1
+                    answer_starts()
         except (OSError, http.client.HTTPException):
             return
         finally:
