@@ -289,6 +289,28 @@ def test_sighup_restarts_every_process_and_the_server_keeps_serving(serve: Serve
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+def test_sighup_to_the_process_group_restarts_the_processes_one_at_a_time(serve: Serve) -> None:
+    # `kill -HUP -- -PGID` (a closed terminal, say) reaches the API processes too: by default each
+    # ended at once, dropping the requests under way, all together; the supervisor restarts them in
+    # turn, each finishing what it serves.
+    before = serve.wait_started(2)
+    for pid in [serve.proc.pid, *before]:
+        os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert serve.proc.poll() is None, serve.log.read_text(errors="replace")
+        if len(serve.children()) == 2 and not set(serve.children()) & set(before):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the API processes were not restarted: {before} -> {serve.children()}")
+    serve.wait_started(2, startups=4)
+    log = serve.log.read_text(errors="replace")
+    assert "exited with" not in log, log  # each was stopped by its supervisor, none died of the signal
+    for c in connect(serve.port, 4):
+        c.close()
+
+
 def test_a_process_shutting_down_is_not_waited_for() -> None:
     """Once a process stops accepting, its siblings see it as not serving while it finishes the
     connections it has (they would hold back for it otherwise)."""

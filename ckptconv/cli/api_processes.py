@@ -13,7 +13,8 @@ for at most ``HOLD_BACK_SECONDS`` per connection, so a slow sibling delays a new
 much at worst. A sibling that is starting, shutting down or dead is not waited for, nor one whose
 event loop has not run for ``STALE_SECONDS`` (each process notes in shared memory when its loop last
 ran); one that has not run for ``HANG_SECONDS`` (stopped, deadlocked) is killed. A process that
-dies is started again in its slot; SIGHUP restarts them all, one at a time.
+dies is started again in its slot; SIGHUP restarts them all, one at a time (the API processes
+ignore a SIGHUP sent to the whole group and leave it to the supervisor).
 
 Signals to the supervisor: SIGINT, SIGTERM and SIGQUIT stop every process gracefully (each finishes
 the requests under way; one still running after uvicorn's graceful-shutdown timeout is killed);
@@ -272,6 +273,9 @@ def _run_process(config: uvicorn.Config, listener: socket.socket, slots: Slots, 
     config.configure_logging()
     for sig in IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    # SIGHUP sent to the process group is the supervisor's to act on (it restarts the processes one
+    # at a time, each finishing its requests); by default it would end every process here at once.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     server = BalancedServer(config, slots, slot, supervisor)
     # uvicorn handles SIGINT and SIGTERM only; SIGQUIT (to the process group, say) is a stop as well.
     signal.signal(signal.SIGQUIT, server.handle_exit)
