@@ -231,6 +231,35 @@ def test_one_target_spelled_with_or_without_a_trailing_slash_is_one_reservation(
             assert_problem(submit(other), 409, "target_taken")
 
 
+def test_a_target_and_anything_under_or_over_it_are_one_reservation(api, tmp_path: Path) -> None:
+    # A directory target and a file inside it publish to one final key: the second is refused
+    # whichever comes first, locally and on S3; a sibling sharing a name prefix is another target.
+    key, _ = create_key(api.redis, api.keys, "nested", ["s3://bucket/team-a/", f"{tmp_path}/"])
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def submit(target: str, fmt: str = "safetensors"):
+        body = {"kind": "convert", "source": {"uri": "s3://bucket/team-a/in.safetensors"}}
+        return api.client.post("/v1/jobs", json={**body, "target": {"uri": target, "format": fmt}}, headers=auth)
+
+    for base in ("s3://bucket/team-a/nest", f"{tmp_path}/nest"):
+        outer = submit(f"{base}/d1/")
+        assert outer.status_code == 202, outer.text
+        assert_problem(submit(f"{base}/d1/model.safetensors"), 409, "target_taken")  # under a held one
+        assert_problem(submit(f"{base}/d1/deeper/x.safetensors"), 409, "target_taken")
+        inner = submit(f"{base}/d2/sub/model.safetensors")
+        assert inner.status_code == 202, inner.text
+        assert_problem(submit(f"{base}/d2/"), 409, "target_taken")  # over a held one
+        assert_problem(submit(f"{base}/d2/sub"), 409, "target_taken")
+        assert submit(f"{base}/d1x/model.safetensors").status_code == 202  # segment boundaries
+        assert submit(f"{base}/d2x").status_code == 202
+        # Released on a final state: the other one of each pair is then accepted.
+        for job in (outer, inner):
+            cancelled = api.client.post(f"/v1/jobs/{job.json()['id']}/cancel", headers=auth)
+            assert cancelled.json()["state"] == "cancelled"
+        assert submit(f"{base}/d1/model.safetensors").status_code == 202
+        assert submit(f"{base}/d2/").status_code == 202
+
+
 def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     # No worker consumes the interactive queue, so a dry run waits plan_timeout_seconds (1 s) and
     # then answers 503; meanwhile its Idempotency-Key is in flight.

@@ -354,7 +354,8 @@ def test_a_submission_sent_again_after_its_reply_was_lost_is_created_once(server
     keys = RedisKeys(f"mux-submit-{target}:")
     rec = {"id": "job_0000000000001234", "owner": "o", "kind": "convert", "state": "queued"}
     if target:
-        rec["target_key"] = keys.target("s3://bucket/out/model.mdl")
+        claim = keys.target_claim("s3://bucket/out/model.mdl")
+        rec["target_key"], rec["target_claim"] = claim[0], " ".join(claim)
 
     async def scenario() -> list[list[str]]:
         r = client(server.url)

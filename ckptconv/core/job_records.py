@@ -43,6 +43,18 @@ def target_identity(uri: str) -> str:
     return uri.rstrip("/") or uri
 
 
+def enclosing_targets(uri: str) -> list[str]:
+    """The identities of every target that holds ``uri``'s target (a directory above it, on segment
+    boundaries: ``s3://b/x`` holds ``s3://b/x/m.mdl`` but not ``s3://b/x2``), outermost first."""
+    identity = target_identity(uri)
+    scheme, sep, path = identity.rpartition("://")
+    head = scheme + sep
+    parts = path.split("/")
+    # A local path's leading "/" leaves an empty first part: "/" itself is its outermost directory.
+    enclosing = (head + ("/".join(parts[:i]) or "/") for i in range(1, len(parts)))
+    return [e for e in enclosing if e != identity]
+
+
 @functools.lru_cache(maxsize=4096)
 def iso(ms: str | int | None) -> str | None:
     # Cached: a job's timestamps are formatted again for every read of it (polling reads it often).
@@ -122,11 +134,12 @@ def new_record(
     request: dict[str, Any],
     webhook_secret: str | None,
     created: int,
-    target_key: str | None = None,
+    target_claim: list[str] | None = None,
     scopes: list[str] | None,
 ) -> dict[str, str]:
     """A new job's record. ``scopes`` are the URI prefixes of the owner's key (None: every location),
-    which the worker's storage enforces on everything the job touches."""
+    which the worker's storage enforces on everything the job touches. ``target_claim`` is the
+    reservation keys of its target (``RedisKeys.target_claim``)."""
     rec = {
         "id": job_id,
         "owner": owner,
@@ -141,8 +154,9 @@ def new_record(
     }
     if webhook_secret:
         rec["webhook_secret"] = webhook_secret
-    if target_key:
-        rec["target_key"] = target_key
+    if target_claim:
+        rec["target_key"] = target_claim[0]
+        rec["target_claim"] = " ".join(target_claim)
     return rec
 
 

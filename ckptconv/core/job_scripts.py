@@ -48,8 +48,16 @@ local function transition(p, job_key, events_key, id, allowed, to, now, retentio
   redis.call('XADD', events_key, 'MAXLEN', '~', __MAXLEN__, '*', 'type', 'state', 'data', event)
   if TERMINAL[to] and not TERMINAL[cur] then
     finish_stats(p, job_key, to, now, nbytes)
-    local target_key = redis.call('HGET', job_key, 'target_key')
-    if target_key and redis.call('GET', target_key) == id then redis.call('DEL', target_key) end
+    local claim = redis.call('HMGET', job_key, 'target_key', 'target_claim')
+    if claim[1] and redis.call('GET', claim[1]) == id then redis.call('DEL', claim[1]) end
+    if claim[2] then
+      -- The claim's 4th, 6th, ... keys are the sets of jobs under each target holding this one.
+      local i = 0
+      for key in string.gmatch(claim[2], '%S+') do
+        i = i + 1
+        if i >= 4 and i % 2 == 0 then redis.call('SREM', key, id) end
+      end
+    end
     if retention > 0 then
       redis.call('PEXPIRE', job_key, retention)
       redis.call('PEXPIRE', events_key, retention)
@@ -147,8 +155,11 @@ return {'unchanged', meta[1]}
 
 # Create a job, its index entries, its target reservation, its Idempotency-Key record and its queue
 # message, atomically. The Idempotency-Key is looked up first (a repeated request gets the first
-# answer even while its job holds the target); then the target: held by a live job -> refused.
-# KEYS: job, idempotency (or ''), queue, target reservation (or '').
+# answer even while its job holds the target); then the target: refused when a live job holds it,
+# a target under it (its set of jobs under it) or a target over it (a directory holding it).
+# KEYS: job, idempotency (or ''), queue, then the target's claim if it has one
+#       (RedisKeys.target_claim: its reservation, its set of jobs under it, then (reservation, set)
+#       of each target holding it, outermost first).
 # ARGV: prefix, id, owner, kind, fingerprint, idem_ttl_ms, response_body, message, n, then n
 #       arguments: the hash's fields (name, value, ...), then the labels (name, value, ...). One
 #       argument per field rather than JSON: Redis decoding JSON cost more than the API's client
@@ -166,15 +177,29 @@ end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {'created'}
 end
-if KEYS[4] ~= '' then
-  local holder = redis.call('GET', KEYS[4])
-  if holder then
-    local held = redis.call('HMGET', p .. 'job:' .. holder, 'state', 'owner')
-    if held[1] and held[1] ~= 'succeeded' and held[1] ~= 'failed' and held[1] ~= 'cancelled' then
-      return {'target_taken', holder, held[2]}
+local function live(holder)
+  local held = redis.call('HMGET', p .. 'job:' .. holder, 'state', 'owner')
+  if held[1] and held[1] ~= 'succeeded' and held[1] ~= 'failed' and held[1] ~= 'cancelled' then
+    return held[2]
+  end
+  return nil
+end
+if #KEYS >= 4 then
+  for i = 4, #KEYS, 2 do  -- this target's reservation, then those of the targets holding it
+    local holder = redis.call('GET', KEYS[i])
+    if holder then
+      local owner = live(holder)
+      if owner then return {'target_taken', holder, owner} end
     end
   end
+  -- The first live job under this target is found at once: a final job leaves the set when it ends.
+  for _, holder in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+    local owner = live(holder)
+    if owner then return {'target_taken', holder, owner} end
+    redis.call('SREM', KEYS[5], holder)
+  end
   redis.call('SET', KEYS[4], id)
+  for i = 7, #KEYS, 2 do redis.call('SADD', KEYS[i], id) end
 end
 if KEYS[2] ~= '' then
   redis.call('HSET', KEYS[2], 'fp', ARGV[5], 'status', 'done', 'code', '202', 'body', ARGV[7],

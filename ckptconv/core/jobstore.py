@@ -13,10 +13,13 @@ Layout (every key starts with ``Settings.redis_prefix``, written ``{p}`` below):
   ``{p}jobs:s:{state}``, scored by the time of the last change, counts jobs by state for the metrics.
 - ``{p}events:{id}``: a capped stream of progress and state events (server-sent events replay it).
 - ``{p}lease:{id}``: which worker runs the job; ``{p}idem:{owner}:{hash}``: Idempotency-Key records.
-- ``{p}target:{hash}``: the reservation of a target URI (value: the job id). Taken by the submit
-  script when the job is accepted (``SET NX`` semantics: a second job for the same target is refused
-  with ``target_taken``) and deleted by ``transition`` when the job reaches a final state. The job's
-  hash names it in ``target_key``. A reservation whose job is gone or final is stale and is taken over.
+- ``{p}target:{hash}``: the reservation of a target URI (value: the job id), and
+  ``{p}target-under:{hash}``: the live jobs whose targets lie under that URI. Taken by the submit
+  script when the job is accepted: a second job for the same target, for one under it or for one
+  holding it (a directory target and a file in it publish to the same keys) is refused with
+  ``target_taken``. The job's hash names them in ``target_key`` and ``target_claim``; ``transition``
+  releases them when the job reaches a final state. A reservation (or set member) whose job is gone
+  or final is stale: it is taken over (dropped).
 
 Every change of state goes through one Lua function (``transition``) that checks the current
 state, moves the job between index sets, appends the event and, for a final state, counts it in
@@ -31,7 +34,16 @@ import json
 import time
 from typing import Any
 
-from ckptconv.core.job_records import EVENTS_MAXLEN, TERMINAL, as_str, decode, encode_field, now_ms, target_identity
+from ckptconv.core.job_records import (
+    EVENTS_MAXLEN,
+    TERMINAL,
+    as_str,
+    decode,
+    enclosing_targets,
+    encode_field,
+    now_ms,
+    target_identity,
+)
 from ckptconv.core.job_scripts import (
     CANCEL_LUA,
     HEARTBEAT_LUA,
@@ -43,6 +55,10 @@ from ckptconv.core.job_scripts import (
     SUBMIT_LUA,
     TRANSITION_LUA,
 )
+
+
+def _digest(identity: str) -> str:
+    return hashlib.sha256(identity.encode()).hexdigest()[:40]
 
 
 class RedisKeys:
@@ -63,7 +79,17 @@ class RedisKeys:
 
     def target(self, uri: str) -> str:
         """The reservation key of a target URI (see :func:`target_identity`)."""
-        return f"{self.p}target:{hashlib.sha256(target_identity(uri).encode()).hexdigest()[:40]}"
+        return f"{self.p}target:{_digest(target_identity(uri))}"
+
+    def target_claim(self, uri: str) -> list[str]:
+        """The keys a job for target ``uri`` reserves it with (see SUBMIT_LUA): its reservation, the
+        set of live jobs whose targets lie under it, then for each target that holds it (a directory
+        above, see :func:`enclosing_targets`) that one's reservation and set of jobs under it."""
+        identity = target_identity(uri)
+        claim = [self.target(identity), f"{self.p}target-under:{_digest(identity)}"]
+        for outer in enclosing_targets(identity):
+            claim += [self.target(outer), f"{self.p}target-under:{_digest(outer)}"]
+        return claim
 
     def owner_index(self, owner: str) -> str:
         return f"{self.p}jobs:o:{owner}"
@@ -289,10 +315,12 @@ class AsyncJobStore:
         message: str,
     ) -> list[str]:
         """Create the job and enqueue its message; or, for a known Idempotency-Key, the stored outcome;
-        or ``["target_taken", holder job id, holder owner]`` when a live job holds the target."""
+        or ``["target_taken", holder job id, holder owner]`` when a live job holds the target, one
+        under it or one over it."""
         fields = [x for field in rec.items() for x in field]
+        claim = rec["target_claim"].split() if rec.get("target_claim") else []
         out = await self._submit(
-            keys=[self.keys.job(rec["id"]), idem_key or "", self.keys.queue(queue), rec.get("target_key", "")],
+            keys=[self.keys.job(rec["id"]), idem_key or "", self.keys.queue(queue), *claim],
             args=[
                 self.keys.p,
                 rec["id"],

@@ -134,7 +134,7 @@ async def create(
         request=request_doc,
         webhook_secret=body.webhook.secret if body.webhook else None,
         created=created,
-        target_key=state.keys.target(target_doc["uri"]) if target_doc else None,
+        target_claim=state.keys.target_claim(target_doc["uri"]) if target_doc else None,
         scopes=caller.scopes.to_record(),
     )
     response_body = _json(job_resource(rec))
