@@ -447,6 +447,32 @@ def test_a_job_ending_unpublished_keeps_what_another_writer_put_at_its_final_nam
     assert storage.read_all(placed[0]) == b"someone else's bytes"
 
 
+def test_a_job_ending_unpublished_keeps_an_object_replaced_between_its_check_and_its_delete(
+    tmp_path: Path, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cleanup proves the shard at the final key is the job's (its metadata names the job), then
+    # deletes it. Another writer replaces it in between: its bytes must stay (the delete is
+    # conditional on the object that was checked).
+    _, target, placed = _kill_a_sharded_publication("s3", tmp_path, s3_bucket, "killed-job")
+    storage = open_storage(target)
+    bucket, key = placed[0].removeprefix("s3://").split("/", 1)
+    client_class = type(storage.client)
+    delete_object = client_class.delete_object
+    replaced: list[str] = []
+
+    def replaced_first(self, **kwargs):
+        if kwargs.get("Key") == key and not replaced:
+            replaced.append(key)
+            self.put_object(Bucket=bucket, Key=key, Body=b"someone else's bytes")
+        return delete_object(self, **kwargs)
+
+    monkeypatch.setattr(client_class, "delete_object", replaced_first)
+    engine.discard_staging(target, "killed-job")
+    assert replaced == [key]
+    assert storage.read_all(placed[0]) == b"someone else's bytes"
+    assert _under(target) == [placed[0]]
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_takeover_resumes_a_killed_publication_and_publishes_everything(
     where: str, tmp_path: Path, s3_bucket: str

@@ -21,7 +21,7 @@ from ckptconv.core.fencing import current_attempt
 from ckptconv.core.uri import basename, normalize_uri
 from ckptconv.core.uri import parent as parent_of
 from ckptconv.storage import open_storage
-from ckptconv.storage.base import OWNER_METADATA, Storage
+from ckptconv.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
@@ -206,25 +206,33 @@ def _unplace(area: _Layout, final_manifest: str, doc: dict[str, Any], job_id: st
     for f in reversed(doc["files"]):
         uri = f["uri"]
         try:
-            ours = _placed_by(storage, uri, job_id, placement.get(uri))
+            removed = _delete_placed(storage, uri, job_id, placement.get(uri))
         except ObjectNotFound:
             continue
-        if ours:
-            with contextlib.suppress(ObjectNotFound):
-                storage.delete(uri)
+        if removed:
             log.info("removed %s, placed by job %s whose publication did not finish", uri, job_id)
         else:
             log.warning("left %s at the target: job %s did not place it", uri, job_id)
 
 
-def _placed_by(storage: Storage, uri: str, job_id: str, identity: list[int] | None) -> bool:
-    """Whether this job's publication placed ``uri``; ObjectNotFound when nothing is there."""
+def _delete_placed(storage: Storage, uri: str, job_id: str, identity: list[int] | None) -> bool:
+    """Delete ``uri`` if this job's publication placed it, and only the very object checked;
+    whether it did. ObjectNotFound when nothing is there.
+
+    On S3 the delete is conditional on the checked object's ETag (``delete_owned``). A local file
+    is checked by its identity and then unlinked: POSIX cannot unlink by inode, so a file put at
+    that path between the two calls (microseconds; writers of the service never do, the target
+    being this job's) would go instead."""
     path = storage.local_path(uri)
-    if path is not None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{uri} does not exist", uri=uri) from None
-        return identity is not None and _identity(st) == identity
-    user_metadata = getattr(storage, "user_metadata", None)
-    return user_metadata is not None and user_metadata(uri).get(OWNER_METADATA) == job_id
+    if path is None:
+        delete_owned = getattr(storage, "delete_owned", None)
+        return delete_owned is not None and delete_owned(uri, job_id)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ObjectNotFound(f"{uri} does not exist", uri=uri) from None
+    if identity is None or _identity(st) != identity:
+        return False
+    with contextlib.suppress(ObjectNotFound):
+        storage.delete(uri)
+    return True

@@ -180,4 +180,4 @@ class ConfinedStorage(Storage):
         return checked
 
 
-_URI_CAPABILITIES = frozenset({"user_metadata"})
+_URI_CAPABILITIES = frozenset({"user_metadata", "delete_owned"})

@@ -283,6 +283,22 @@ class S3Storage(Storage):
         bucket, key = self._object(uri, writing=True)
         self._call(uri, self.client.delete_object, Bucket=bucket, Key=key)
 
+    def delete_owned(self, uri: str, owner: str) -> bool:
+        """Delete the object at ``uri`` if its metadata names ``owner`` (:data:`OWNER_METADATA`);
+        False, deleting nothing, when it does not. The delete is conditional on the ETag of the
+        object checked (``If-Match``): one another writer put there after the check stays (a 412),
+        unless it has the very same bytes, which S3 cannot tell apart. ObjectNotFound when nothing
+        is at ``uri``."""
+        bucket, key = self._object(uri, writing=True)
+        head = self._head(uri, bucket, key)
+        if head.get("Metadata", {}).get(OWNER_METADATA) != owner:
+            return False
+        try:
+            self._call(uri, self.client.delete_object, Bucket=bucket, Key=key, IfMatch=head["ETag"])
+        except TargetExists:  # a 412: replaced since the check
+            return False
+        return True
+
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under ``prefix`` (folder markers included) in batches of 1000, and
         abort the incomplete multipart uploads under it.
