@@ -30,7 +30,7 @@ import pytest
 import redis
 import test_e2e_service as e2e
 from conftest import PrivateRedis
-from killed_copy import killed_after_the_first_file, killed_at_the_second_part, lower_copy_threshold
+from killed_copy import Killed, killed_after_the_first_file, killed_at_the_second_part, lower_copy_threshold
 from test_e2e_service import Service, check_outputs, listing, make_checkpoint, wait_for
 
 from bench.faultproxy import FaultProxy
@@ -456,6 +456,46 @@ def test_a_job_ending_after_its_publication_was_killed_before_the_manifest_leave
     in_process.tasks.JobRun(in_process.store, settings, job_id).execute()
     assert in_process.store.get(job_id)["state"] == ending
     assert list(listing(bucket, f"team/{name}-out")) == [mirror]
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_a_job_ending_after_its_publication_finished_succeeds_with_its_output(
+    in_process: SimpleNamespace, bucket: str, ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker was killed once the manifest was placed, before it recorded the job succeeded; then
+    # the job was cancelled (or its attempts ran out). Its output is complete and described: the job
+    # succeeds with it, never ends cancelled (or failed) with the output at the target.
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    name = f"published-{ending}"
+    make_checkpoint(bucket, f"team/{name}/model.safetensors", 2)
+    job_id = in_process.submit(f"team/{name}/model.safetensors", f"team/{name}-out/model.mdl")
+    finish = in_process.tasks.JobRun._finish
+
+    def killed_before_recording_success(self, state: str, *args, **kwargs) -> None:
+        if state == "succeeded":
+            raise Killed
+        finish(self, state, *args, **kwargs)
+
+    with monkeypatch.context() as m, pytest.raises(Killed):
+        m.setattr(in_process.tasks.JobRun, "_finish", killed_before_recording_success)
+        in_process.tasks.JobRun(in_process.store, in_process.settings, job_id).execute()
+    published = sorted(listing(bucket, f"team/{name}-out"))
+    assert f"team/{name}-out/model.mdl" in published and f"team/{name}-out/model.mdl.manifest.json" in published
+    settings = in_process.settings
+    if ending == "cancelled":
+        with TestClient(create_app(settings)) as c:
+            assert c.post(f"/v1/jobs/{job_id}/cancel").raise_for_status().json()["state"] == "cancelling"
+    else:  # its attempts exhausted: the worker that receives it again would fail it
+        settings = settings.model_copy(update={"max_attempts": 1})
+    in_process.tasks.JobRun(in_process.store, settings, job_id).execute()
+    rec = in_process.store.get(job_id)
+    assert rec["state"] == "succeeded", rec.get("error")
+    assert json.loads(rec["result"])["manifest"] == f"s3://{bucket}/team/{name}-out/model.mdl.manifest.json"
+    mirror = f"team/{name}-out/model.mdl.ckptconv-job.json"
+    assert sorted(listing(bucket, f"team/{name}-out")) == sorted([*published, mirror])
 
 
 def test_a_takeover_failing_before_publication_leaves_no_upload_of_the_killed_one(

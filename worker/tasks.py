@@ -177,10 +177,13 @@ class JobRun:
 
     def _fail_for_good(self, rec: dict[str, str], error: CkptconvError) -> None:
         request = json.loads(rec["request"])
-        with contextlib.suppress(Exception):
+        try:
             ctx = jobs.context_from_request({"kind": rec["kind"], **request}, self.job_id)
-            self._cleanup(jobs.handler(ctx.kind), ctx)
-        self._finish("failed", {"error": error.to_problem()})
+            module = jobs.handler(ctx.kind)
+        except Exception:
+            self._finish("failed", {"error": error.to_problem()})
+            return
+        self._end_unpublished(module, ctx, "failed", {"error": error.to_problem()})
 
     def _run_attempt(self, rec: dict[str, str], previous: str) -> None:
         request = json.loads(rec["request"])
@@ -201,9 +204,9 @@ class JobRun:
             self._finish("failed", {"error": error.to_problem()})
             return
         if previous == "cancelling":
-            # Cancel was requested while a worker that is now lost ran the job: finish the cancel.
-            self._cleanup(module, ctx)
-            self._finish("cancelled", {"error": Cancelled("cancelled by request").to_problem()})
+            # Cancel was requested while a worker that is now lost ran the job: finish the cancel
+            # (or the job, if that worker's publication had finished).
+            self._end_unpublished(module, ctx, "cancelled", {"error": Cancelled("cancelled by request").to_problem()})
             return
         if previous == "running":
             log.warning("job %s: taking over from a lost worker (attempt %d)", self.job_id, self.attempt)
@@ -219,31 +222,26 @@ class JobRun:
             if self.lease_lost.is_set():
                 pass
             elif self.cancel_requested.is_set() or self._cancel_flag():
-                self._cleanup(module, ctx)
-                self._finish("cancelled", {"error": e.to_problem()})
+                self._end_unpublished(module, ctx, "cancelled", {"error": e.to_problem()})
             else:
-                self._cleanup(module, ctx)
-                self._finish("failed", {"error": limit.to_problem()})
+                self._end_unpublished(module, ctx, "failed", {"error": limit.to_problem()})
         except SoftTimeLimitExceeded:
-            self._cleanup(module, ctx)
-            self._finish("failed", {"error": limit.to_problem()})
+            self._end_unpublished(module, ctx, "failed", {"error": limit.to_problem()})
         except RedisError:
             raise  # infrastructure: the message is requeued (see execute)
         except TimeLimitExceeded as e:
-            self._cleanup(module, ctx)
-            self._finish("failed", {"error": e.to_problem()})
+            self._end_unpublished(module, ctx, "failed", {"error": e.to_problem()})
         except CkptconvError as e:
             log.info("job %s failed: %s", self.job_id, e)
             # The run discarded its own staging, but not what an earlier attempt left when it failed
             # before reaching it (a publication killed mid-copy: its staged output, and an upload at
             # a final key). After a storage error, the store just failed at the budget: trying harder.
+            error = e.public(log, f"job {self.job_id}").to_problem()
             with persistent() if isinstance(e, StorageError) else contextlib.nullcontext():
-                self._cleanup(module, ctx)
-            self._finish("failed", {"error": e.public(log, f"job {self.job_id}").to_problem()})
+                self._end_unpublished(module, ctx, "failed", {"error": error})
         except Exception as e:
             error = CkptconvError(f"unexpected {type(e).__name__}: {e}").logged(log, f"job {self.job_id}", e)
-            self._cleanup(module, ctx)
-            self._finish("failed", {"error": error.to_problem()})
+            self._end_unpublished(module, ctx, "failed", {"error": error.to_problem()})
         else:
             if not self.lease_lost.is_set():
                 self._finish("succeeded", {"result": result}, nbytes=int(result.get("bytes") or 0))
@@ -284,19 +282,32 @@ class JobRun:
         if json.loads(rec["request"]).get("webhook"):
             deliver_webhook.apply_async(args=[self.job_id], queue=self.settings.interactive_queue)
 
-    def _cleanup(self, module: Any, ctx: jobs.JobContext) -> None:
+    def _end_unpublished(self, module: Any, ctx: jobs.JobContext, state: str, fields: dict[str, Any]) -> None:
+        """Record ``state`` (cancelled, failed) for a job this attempt did not publish, once what its
+        attempts left is removed; or ``succeeded`` when a lost worker's publication had finished
+        (its manifest is at the target): a job never ends unpublished with its output in place."""
+        result = self._cleanup(module, ctx)
+        if result is not None:
+            log.info("job %s: a lost worker's publication had finished; the job succeeded", self.job_id)
+            self._finish("succeeded", {"result": result}, nbytes=int(result.get("bytes") or 0))
+        else:
+            self._finish(state, fields)
+
+    def _cleanup(self, module: Any, ctx: jobs.JobContext) -> dict[str, Any] | None:
         """Remove what the job's attempts left (staging, a killed publication's uploads) before it
         ends unpublished; only while this attempt owns the job: a stale one would remove the
-        staging, and abort the publication, of the attempt that took the job over."""
+        staging, and abort the publication, of the attempt that took the job over. Returns the
+        job's result when its publication had finished (see ``ckptconv.jobs``)."""
         if not hasattr(module, "cleanup"):
-            return
+            return None
         try:
             if self.lease_lost.is_set() or not self.store.is_current(self.job_id, self.attempt, self.token):
                 log.warning("job %s: attempt %d no longer owns the job; not cleaning up", self.job_id, self.attempt)
-                return
-            module.cleanup(ctx)
+                return None
+            return module.cleanup(ctx)
         except Exception:
             log.exception("job %s: cleanup failed", self.job_id)
+            return None
 
     # -- callbacks and the heartbeat
 

@@ -91,16 +91,24 @@ def _file_facts(o: OutputFile) -> dict[str, Any]:
     return {**facts, "sha256_blocks": o.blocks} if o.blocks else facts
 
 
+def published(layout: _Layout, job_id: str) -> ConvertResult | None:
+    """The result of the job's finished publication: its manifest, naming the job, at the target."""
+    for uri in layout.manifest_candidates():
+        doc = _read_json(layout.storage, uri)
+        if doc is not None and doc.get("job_id") == job_id:
+            return ConvertResult.from_manifest(uri, doc)
+    return None
+
+
 def _resume(layout: _Layout, job_id: str | None) -> ConvertResult | None:
     """Idempotent redelivery: the finished result, or the publication of a staged one (any attempt's)."""
     if job_id is None:
         return None
     storage = layout.storage
-    for uri in layout.manifest_candidates():
-        doc = _read_json(storage, uri)
-        if doc is not None and doc.get("job_id") == job_id:
-            _discard_job(layout, job_id)
-            return ConvertResult.from_manifest(uri, doc)
+    done = published(layout, job_id)
+    if done is not None:
+        _discard_job(layout, job_id)
+        return done
     for staged in _attempt_stagings(layout, job_id):
         found = _staged_manifest(staged)
         if found is not None:

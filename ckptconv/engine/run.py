@@ -56,7 +56,7 @@ from ckptconv.engine.execute import (
     verify_output,
 )
 from ckptconv.engine.plan import Plan
-from ckptconv.engine.publish import ConvertResult, _publish, _resume
+from ckptconv.engine.publish import ConvertResult, _publish, _resume, published
 from ckptconv.engine.staging import _discard, _discard_after_failure, _Layout, _layout, discard_staging
 from ckptconv.formats import sink_class, source_class, target_exists
 from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
@@ -68,7 +68,7 @@ from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConvertResult", "Progress", "discard_staging", "run_plan"]
+__all__ = ["ConvertResult", "Progress", "discard_staging", "end_unpublished", "run_plan"]
 
 
 def source_facts(src: TensorSource) -> dict[str, Any]:
@@ -258,6 +258,18 @@ def run_plan(
     result.timings["publish_s"] = round(time.monotonic() - t0 - sum(timings.values()), 3)
     reporter.complete("done", plan.tensors_total, plan.bytes_total)
     return result
+
+
+def end_unpublished(target: str, job_id: str) -> ConvertResult | None:
+    """For a job about to end without publishing in this attempt (cancelled, failed, out of
+    attempts): the result of its publication if an earlier attempt finished it (its manifest, naming
+    the job, is at the target; the worker was lost before recording it), which is then the job's
+    outcome: its output is complete and stays. Otherwise None, once what its attempts left is
+    removed (:func:`discard_staging`). Either way no staging is left."""
+    target = normalize_uri(target)
+    done = published(_layout(open_storage(target), target, None, job_id), job_id)
+    discard_staging(target, job_id)
+    return done
 
 
 def stage_manifest(

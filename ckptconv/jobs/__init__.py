@@ -10,8 +10,9 @@ A handler module offers:
   run again when its worker was lost.
 - optionally ``plan(ctx: JobContext) -> dict``: the dry run behind ``POST /v1/plans``
   (``ctx.progress``/``ctx.cancelled`` are no-ops there);
-- optionally ``cleanup(ctx: JobContext) -> None``: remove what a lost worker may have left
-  (staging) when its job is then cancelled instead of run again;
+- optionally ``cleanup(ctx: JobContext) -> dict | None``: remove what a lost worker may have left
+  (staging) when its job is then cancelled or failed instead of run again; returns the job's
+  result instead when a lost worker's publication had finished (the job then succeeds with it);
 - optionally ``run_part(ctx: JobContext, index: int) -> None``: one part of a job that ``run``
   fanned out through ``ctx.parts`` (see ``ckptconv.engine.fanout``).
 """

@@ -8,7 +8,7 @@ from ckptconv.core.errors import CkptconvError
 from ckptconv.core.settings import get_settings
 from ckptconv.engine.convert import convert, convert_part, plan_conversion
 from ckptconv.engine.fanout import AutoParallelism
-from ckptconv.engine.run import discard_staging
+from ckptconv.engine.run import end_unpublished
 from ckptconv.jobs import JobContext
 
 
@@ -76,8 +76,10 @@ def plan(ctx: JobContext) -> dict[str, Any]:
     return doc
 
 
-def cleanup(ctx: JobContext) -> None:
-    """Remove the staging area a lost worker may have left for this job."""
+def cleanup(ctx: JobContext) -> dict[str, Any] | None:
+    """Remove the staging area a lost worker may have left for this job; the job's result if a lost
+    worker's publication finished (see :func:`end_unpublished`)."""
     if ctx.target is None or ctx.job_id is None:
-        return
-    discard_staging(ctx.target["uri"], ctx.job_id)
+        return None
+    done = end_unpublished(ctx.target["uri"], ctx.job_id)
+    return done.to_dict() if done is not None else None

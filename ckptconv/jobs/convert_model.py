@@ -15,7 +15,7 @@ from ckptconv.engine.layouts.api import (
     plan_model,
     planned_target,
 )
-from ckptconv.engine.run import discard_staging
+from ckptconv.engine.run import end_unpublished
 from ckptconv.jobs import JobContext
 from ckptconv.jobs.convert import auto_parallelism
 from ckptconv.storage import is_local, local_path_of
@@ -120,12 +120,14 @@ def plan(ctx: JobContext) -> dict[str, Any]:
     return doc
 
 
-def cleanup(ctx: JobContext) -> None:
-    """Remove the staging area a lost worker may have left for this job."""
+def cleanup(ctx: JobContext) -> dict[str, Any] | None:
+    """Remove the staging area a lost worker may have left for this job; the job's result if a lost
+    worker's publication finished (see :func:`end_unpublished`; without the simulator's verdict,
+    which that worker took with it)."""
     if ctx.job_id is None:
-        return
+        return None
     out_dir, _ = _target(ctx)
-    discard_staging(
+    done = end_unpublished(
         output_target(
             ctx.source["uri"],
             ctx.options.tgt_fmt,
@@ -136,3 +138,4 @@ def cleanup(ctx: JobContext) -> None:
         ),
         ctx.job_id,
     )
+    return done.to_dict() if done is not None else None

@@ -6,7 +6,7 @@ from typing import Any
 
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.engine.legacy.dataloader_state import convert_dataloader_state
-from ckptconv.engine.run import discard_staging
+from ckptconv.engine.run import end_unpublished
 from ckptconv.jobs import JobContext
 
 
@@ -27,8 +27,10 @@ def run(ctx: JobContext) -> dict[str, Any]:
     return result.to_dict()
 
 
-def cleanup(ctx: JobContext) -> None:
-    """Remove the staging area a lost worker may have left for this job."""
+def cleanup(ctx: JobContext) -> dict[str, Any] | None:
+    """Remove the staging area a lost worker may have left for this job; the job's result if a lost
+    worker's publication finished (see :func:`end_unpublished`)."""
     if ctx.target is None or ctx.job_id is None:
-        return
-    discard_staging(ctx.target["uri"], ctx.job_id)
+        return None
+    done = end_unpublished(ctx.target["uri"], ctx.job_id)
+    return done.to_dict() if done is not None else None
