@@ -11,7 +11,9 @@ Job creation records its response in the same Redis script that creates the job 
 window in which it is "in flight"); other requests claim the key first, then store the response
 (2xx and 4xx are stored; after a 5xx the claim is released so that a retry runs again). A claim
 holds a token of its request: the claim sent again after its reply was lost (``service.multiplexer``
-resends the commands of a lost connection) finds its own token and is claimed, not "in flight".
+resends the commands of a lost connection) finds its own token and is claimed, not "in flight";
+a release drops only a claim holding its own token, never the claim of another request that took
+the key after this one's claim lapsed (or a resent release after another request claimed it).
 """
 
 from __future__ import annotations
@@ -54,19 +56,20 @@ async def idempotent(
     """Run ``produce`` at most once per key (see the module docstring)."""
     if record_key is None:
         return await produce()
-    stored = await state.store.idem_claim(record_key, fingerprint, PENDING_SECONDS, uuid.uuid4().hex)
+    token = uuid.uuid4().hex
+    stored = await state.store.idem_claim(record_key, fingerprint, PENDING_SECONDS, token)
     if stored[0] == "exists":
         return replay(stored, fingerprint)
     try:
         response = await produce()
     except CkptconvError as e:
         if e.http_status >= 500:
-            await state.store.idem_release(record_key)
+            await state.store.idem_release(record_key, token)
             raise
 
         response = problem_response(e, request.url.path, method=request.method)
     except BaseException:
-        await state.store.idem_release(record_key)
+        await state.store.idem_release(record_key, token)
         raise
     ttl = state.settings.idempotency_ttl_seconds
     await state.store.idem_complete(record_key, response.status_code, bytes(response.body).decode(), "", ttl)

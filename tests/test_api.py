@@ -276,6 +276,26 @@ def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     assert_problem(api.client.post("/v1/plans", json=body, headers=h), 503, "worker_timeout")
 
 
+def test_a_5xx_releases_only_its_own_idempotency_claim(api) -> None:
+    # While the dry run waits (then answers 503), its claim is replaced by another request's (the
+    # first claim lapsed and another request claimed the key): the 503 must not release that one.
+    h = {**api.a, "Idempotency-Key": "plan-own"}
+    body = job_body(4)
+    pattern = api.keys.idempotency("*", "*")
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.setdefault("r", api.client.post("/v1/plans", json=body, headers=h)))
+    t.start()
+    record = None
+    while record is None and t.is_alive():
+        record = next(iter(api.redis.scan_iter(match=pattern)), None)
+    assert record is not None and api.redis.hget(record, "status") == "pending"
+    api.redis.hset(record, "claim", "another-request")
+    t.join()
+    assert_problem(first["r"], 503, "worker_timeout")
+    assert api.redis.hgetall(record).get("claim") == "another-request"
+    assert_problem(api.client.post("/v1/plans", json=body, headers=h), 409, "idempotent_request_in_flight")
+
+
 def test_the_api_reconnects_to_redis_after_jittered_waits(api) -> None:
     # When Redis drops every client at once, the API's commands (and its processes) must not all
     # reconnect and resend at the same instants: each wait of the retry policy is drawn at random.

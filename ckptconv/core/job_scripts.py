@@ -235,6 +235,15 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {'claimed'}
 """
 
+# Release a pending claim (its request failed with a 5xx: a retry runs again), only if it is still
+# the caller's own: a claim that lapsed and was taken by another request stays that request's.
+# KEYS: idempotency. ARGV: token
+IDEM_RELEASE_LUA = """
+local claim = redis.call('HMGET', KEYS[1], 'status', 'claim')
+if claim[1] == 'pending' and claim[2] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # Worker heartbeat: renew the lease if still ours, keep the broker from re-delivering the running
 # task's message (kombu's unacked index is scored by delivery time), and read the cancel flag.
 # A lease that lapsed (Redis slow or unreachable for longer than the lease) is taken again when

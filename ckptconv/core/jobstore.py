@@ -48,6 +48,7 @@ from ckptconv.core.job_scripts import (
     CANCEL_LUA,
     HEARTBEAT_LUA,
     IDEM_CLAIM_LUA,
+    IDEM_RELEASE_LUA,
     PROGRESS_LUA,
     RELEASE_LUA,
     REQUEUE_LUA,
@@ -301,6 +302,7 @@ class AsyncJobStore:
         self._submit = client.register_script(SUBMIT_LUA)
         self._cancel = client.register_script(CANCEL_LUA)
         self._claim = client.register_script(IDEM_CLAIM_LUA)
+        self._idem_release = client.register_script(IDEM_RELEASE_LUA)
 
     async def submit(
         self,
@@ -422,8 +424,9 @@ class AsyncJobStore:
         pipe.expire(key, ttl_seconds)
         await pipe.execute()
 
-    async def idem_release(self, key: str) -> None:
-        await self.r.delete(key)
+    async def idem_release(self, key: str, token: str) -> None:
+        """Drop the pending claim ``idem_claim`` made with ``token``; another request's claim stays."""
+        await self._idem_release(keys=[key], args=[token])
 
 
 def _matches(rec: dict[str, str], state: str | None, kind: str | None, labels: dict[str, str]) -> bool:
