@@ -5,7 +5,10 @@
   (``service.limits``). The principal found here is handed to the route (``service.deps``), so a
   request is authenticated once.
 - A body larger than ``max_body_bytes`` answers 413: at once when ``Content-Length`` says so, else
-  (chunked bodies) as soon as the bytes received pass the limit; the rest is never read.
+  (chunked bodies) as soon as the bytes received pass the limit; the rest is never read, and the
+  answer closes the connection (``Connection: close``), as does a 401 or 429 to a request whose
+  body is over the limit or of unknown length: the server would otherwise read the whole body to
+  find the connection's next request.
 - A body not received whole ``body_read_timeout_seconds`` after the request began answers 408 and
   closes the connection (the server waits without limit for a body a client stopped sending).
 
@@ -125,17 +128,26 @@ class EdgesFirst(FastAPI):
 
 async def _refusal(state: AppState, scope: dict[str, Any], limit: int) -> Response | None:
     """The problem answer to a request refused here (no key, over its rate limit, too large), or None."""
+    length = content_length(scope)
     try:
         if needs_key(scope["path"]):
             scope[CALLER] = caller = await authenticate(state, scope)
             await state.limiter.take(caller.id)
-        length = content_length(scope)
         if length is not None and length > limit:
             raise PayloadTooLarge(f"the request body has {length} bytes; this service accepts at most {limit}")
     except Exception as e:
         error = e if isinstance(e, CkptconvError) else as_error(e, scope["method"], scope["path"])
-        return problem_response(error, scope["path"], method=scope["method"])
+        response = problem_response(error, scope["path"], method=scope["method"])
+        if (length is None and _chunked(scope)) or (length is not None and length > limit):
+            # The body is not read: kept open, the connection would make the server read (and
+            # throw away) all of a body this large or unbounded before the client's next request.
+            response.headers["connection"] = "close"
+        return response
     return None
+
+
+def _chunked(scope: dict[str, Any]) -> bool:
+    return any(name == b"transfer-encoding" for name, _ in scope["headers"])
 
 
 def _bounded(receive: Any, limit: int, seconds: float) -> Any:
@@ -163,7 +175,12 @@ def _bounded(receive: Any, limit: int, seconds: float) -> Any:
             seen += len(message.get("body", b""))
             if seen > limit:
                 # FastAPI passes HTTPException through its body parsing; service.problems renders it.
-                raise HTTPException(413, detail=f"the request body exceeds this service's limit of {limit} bytes")
+                # The rest of the body is not read: the connection closes after the answer.
+                raise HTTPException(
+                    413,
+                    detail=f"the request body exceeds this service's limit of {limit} bytes",
+                    headers={"Connection": "close"},
+                )
             whole = not message.get("more_body", False)
         else:
             whole = True  # the client left

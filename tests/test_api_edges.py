@@ -187,6 +187,53 @@ def test_a_50_mib_body_is_never_read(served: SimpleNamespace) -> None:
     assert status.startswith(b"HTTP/1.1 413") and sent < fifty
 
 
+def _answers_until_closed(sock: socket.socket, seconds: float = 10) -> bytes:
+    """Everything the server sends until it closes the connection (a server that keeps it open
+    fails the test after ``seconds``)."""
+    sock.settimeout(seconds)
+    answer = b""
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except TimeoutError:
+        raise AssertionError(f"the server kept the connection open after answering {answer[:200]!r}") from None
+    except ConnectionResetError:
+        pass
+    return answer
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/plans"])  # the hot path (service.hot), and FastAPI's routes
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_a_413_closes_the_connection_whose_body_it_does_not_read(
+    served: SimpleNamespace, framing: str, path: str
+) -> None:
+    # The rest of a refused body is never read, so the connection cannot carry another request: the
+    # 413 says Connection: close and the server closes it. (Kept open, the server would have to read
+    # and discard the whole body a keep-alive client goes on sending, or take its bytes for the
+    # next request: here a request smuggled at the head of the body.)
+    where = urlsplit(served.url)
+    auth = f"Authorization: {served.a['Authorization']}"
+    smuggled = f"GET /v1/jobs HTTP/1.1\r\nHost: {where.netloc}\r\n{auth}\r\n\r\n"
+    head = [f"POST {path} HTTP/1.1", f"Host: {where.netloc}", "Content-Type: application/json"]
+    head.append(auth)
+    if framing == "length":
+        head.append(f"Content-Length: {2 * MIB}")
+        body = smuggled.encode() + b"0" * (64 * 1024)
+    else:
+        head.append("Transfer-Encoding: chunked")
+        chunk = smuggled.encode() + b"0" * (MIB + 1)
+        body = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(body)
+        answer = _answers_until_closed(sock)
+    status, _, rest = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b"connection: close" in status.lower()
+    assert b"HTTP/1.1" not in rest, answer  # one answer only
+
+
 def test_a_body_that_stops_arriving_is_408_and_its_connection_closed(
     redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
