@@ -31,7 +31,6 @@ from typing import Any
 import redis.asyncio
 import redis.exceptions
 from redis.asyncio.retry import Retry
-from redis.backoff import EqualJitterBackoff
 from redis.utils import HIREDIS_AVAILABLE
 
 if HIREDIS_AVAILABLE:
@@ -40,7 +39,7 @@ else:  # pragma: no cover - hiredis is a dependency
     HiredisRespSerializer = None
 
 from ckptconv.core.errors import RateLimited, TooManyStreams
-from ckptconv.core.jobstore import RedisKeys
+from ckptconv.core.jobstore import REDIS_RETRIES, RedisKeys, redis_backoff
 
 WINDOW_MS = 1000
 SHARE_FRACTION = 20
@@ -157,15 +156,9 @@ class StreamSlots:
 
 
 def redis_retry() -> Retry:
-    """The retry policy of the API's Redis clients (pooled and multiplexed commands alike): a command
-    that met a lost connection is sent again up to 3 times, after 50-100 ms, 100-200 ms, 200-400 ms.
-
-    Jittered: when Redis drops every client at once (a restart, ``CLIENT KILL TYPE normal``), the API
-    processes and the commands of each would otherwise reconnect and resend in lockstep, one burst
-    per step. Equal jitter (half fixed, half random) rather than full jitter keeps the total wait
-    at 350 ms or more, so that a Redis restart still costs no error.
-    """
-    return Retry(EqualJitterBackoff(cap=0.5, base=0.05), 3)
+    """The retry policy of the API's Redis clients (pooled and multiplexed commands alike): the one
+    policy of every Redis client (``ckptconv.core.jobstore.redis_backoff``), as redis.asyncio's Retry."""
+    return Retry(redis_backoff(), REDIS_RETRIES)
 
 
 class BoundedPool(redis.asyncio.ConnectionPool):

@@ -533,6 +533,95 @@ def test_a_stale_attempt_that_fails_leaves_the_staging_of_the_attempt_that_took_
     assert newer in listing(bucket, "team/stale-fail-out/")
 
 
+class _ReplyDropper(threading.Thread):
+    """A loopback TCP proxy to Redis, in a thread, that once armed closes the client's connection
+    instead of relaying the next reply: Redis ran the command, the client sees a dropped connection."""
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(daemon=True)
+        where = redis.connection.parse_url(upstream)
+        self.upstream = (where.get("host", "127.0.0.1"), int(where.get("port", 6379)))
+        self.armed = threading.Event()
+        self.dropped = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/{where.get('db', 0)}"
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(self.upstream)
+                threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+                threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if replies and self.armed.is_set():
+                    self.armed.clear()
+                    self.dropped += 1
+                    break
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_worker_records_its_job_across_a_dropped_redis_connection(
+    in_process: SimpleNamespace, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's own Redis client (worker.celery_app.store) loses its connection as the job's
+    # success is recorded (Redis ran it; the reply is lost). The command is sent again under the
+    # API's retry policy: the job ends succeeded in this attempt, its webhook sent once, and its
+    # message is not put back in the queue (a requeue runs the job's delivery again).
+    from ckptconv.core.jobstore import JobStore
+    from worker import celery_app
+
+    make_checkpoint(bucket, "team/redis-drop/model.safetensors", 2)
+    job_id = in_process.submit("team/redis-drop/model.safetensors", "team/redis-drop-out/model.mdl")
+    key = in_process.store.keys.job(job_id)
+    request = json.loads(in_process.redis.hget(key, "request"))
+    in_process.redis.hset(key, "request", json.dumps({**request, "webhook": {"url": "https://hooks.example/x"}}))
+    proxy = _ReplyDropper(in_process.settings.redis_url)
+    proxy.start()
+    settings = in_process.settings.model_copy(update={"redis_url": proxy.url, "heartbeat_seconds": 60.0})
+    monkeypatch.setattr(celery_app, "settings", lambda: settings)
+    monkeypatch.setattr(celery_app, "_store", None)
+    webhooks: list[object] = []
+    monkeypatch.setattr(in_process.tasks.deliver_webhook, "apply_async", lambda **kw: webhooks.append(kw))
+    worker_store = JobStore(celery_app.store().r, in_process.store.keys)
+    transition = JobStore.transition
+
+    def reply_lost(self: JobStore, *args: object, **kwargs: object) -> tuple[bool, str]:
+        proxy.armed.set()
+        return transition(self, *args, **kwargs)
+
+    monkeypatch.setattr(JobStore, "transition", reply_lost)
+    try:
+        in_process.tasks.JobRun(worker_store, settings, job_id).execute()
+    finally:
+        proxy.close()
+        celery_app.store().r.close()
+    assert proxy.dropped == 1
+    rec = in_process.store.get(job_id)
+    assert rec["state"] == "succeeded" and rec["attempts"] == "1", rec
+    assert len(webhooks) == 1
+
+
+def test_an_attempt_started_again_after_its_reply_was_lost_is_the_same_attempt(in_process: SimpleNamespace) -> None:
+    # The retry policy sends the start again when its reply was lost: the same worker's call must
+    # answer the attempt it started, not count a second one (attempts are the fence and the budget).
+    job_id = in_process.submit("team/start-again/model.safetensors", "team/start-again-out/model.mdl")
+    store = in_process.store
+    assert store.start_attempt(job_id, "worker-a", 30, 3) == ["started", "1", "queued"]
+    assert store.start_attempt(job_id, "worker-a", 30, 3)[:2] == ["started", "1"]
+    assert store.start_attempt(job_id, "worker-b", 30, 3) == ["held", "worker-a"]
+    assert store.get(job_id)["attempts"] == "1"
+
+
 # --- real workers: duplicate delivery, Redis restarted, time limits ------------------------------
 
 

@@ -19,7 +19,7 @@ from celery import Celery
 from celery.signals import worker_init, worker_process_init, worker_ready
 from kombu import Exchange, Queue
 
-from ckptconv.core.jobstore import JobStore, RedisKeys
+from ckptconv.core.jobstore import REDIS_RETRIES, JobStore, RedisKeys, redis_backoff
 from ckptconv.core.scopes import NOTHING
 from ckptconv.core.settings import Settings, get_settings
 from ckptconv.formats.memory import bound_allocator
@@ -109,10 +109,20 @@ def store() -> JobStore:
     global _store, _store_pid
     if _store is None or _store_pid != os.getpid():
         import redis
+        from redis.retry import Retry
 
         s = settings()
+        # The API's retry policy: a state transition that meets a dropped connection is sent again
+        # (its scripts are safe to resend) rather than failing the attempt, whose message would
+        # then be requeued and its work done again.
         client = redis.Redis.from_url(
-            s.redis_url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30
+            s.redis_url,
+            decode_responses=True,
+            socket_connect_timeout=5,
+            socket_timeout=30,
+            health_check_interval=30,
+            retry=Retry(redis_backoff(), REDIS_RETRIES),
+            retry_on_error=[redis.exceptions.ConnectionError],
         )
         _store = JobStore(client, RedisKeys(s.redis_prefix, s.broker_prefix), retention_seconds=s.job_retention_seconds)
         _store_pid = os.getpid()

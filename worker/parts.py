@@ -85,7 +85,8 @@ class RedisPartRunner:
     def claim(self, index: int) -> Iterator[bool]:
         key = self.lease_prefix + str(index)
         lease_ms = int(self.settings.lease_seconds * 1000)
-        if not self.r.set(key, self.token, nx=True, px=lease_ms):
+        # A SET sent again after its reply was lost finds the lease it took: its own token.
+        if not self.r.set(key, self.token, nx=True, px=lease_ms) and self.r.get(key) != self.token:
             yield False
             return
         done = threading.Event()

@@ -34,9 +34,11 @@ longer than any visibility timeout short enough to recover quickly from a dead w
 - **Lease lost while running** (the process stalled, another worker took over): the next beat or
   fence check notices, the handler is told to stop (``cancelled()`` returns True, publication
   raises ``LeaseLost``), and this worker records nothing: the new attempt owns the job.
-- **Redis errors** (an infrastructure failure, not the job's): the message is put back at the head
-  of its queue after a backoff (``Reject(requeue=True)``), never acknowledged as done; if even that
-  fails the broker restores it after the visibility timeout.
+- **Redis errors** (an infrastructure failure, not the job's): a command that met a dropped
+  connection is first sent again under the API's retry policy (``worker.celery_app.store``; the
+  scripts are safe to resend); past it, the message is put back at the head of its queue after a
+  backoff (``Reject(requeue=True)``), never acknowledged as done; if even that fails the broker
+  restores it after the visibility timeout.
 - **Nothing else covers it**: the reaper (``worker/reaper.py``) queues again any job that is not
   final yet has no lease and no message.
 
@@ -273,12 +275,16 @@ class JobRun:
             self.job_id, ("queued", "running", "cancelling"), state, fields, nbytes=nbytes, attempt=self.attempt
         )
         if not moved:
-            # Someone else finished the job in between: the mirror must tell what they recorded.
-            log.warning("job %s: could not record %s (state is %s)", self.job_id, state, previous)
             final = self.store.get(self.job_id)
-            if final is not None and final["state"] in TERMINAL:
-                self._mirror(final)
-            return
+            # This very transition, sent again after its reply was lost (the retry policy), finds
+            # the job final by it: what it recorded (its finish time, its attempt) tells it.
+            ours = final is not None and final["state"] == state and final.get("attempts") == str(self.attempt)
+            if not (ours and final is not None and final.get("finished_ms") == fields["finished_ms"]):
+                # Someone else finished the job in between: the mirror must tell what they recorded.
+                log.warning("job %s: could not record %s (state is %s)", self.job_id, state, previous)
+                if final is not None and final["state"] in TERMINAL:
+                    self._mirror(final)
+                return
         if json.loads(rec["request"]).get("webhook"):
             deliver_webhook.apply_async(args=[self.job_id], queue=self.settings.interactive_queue)
 

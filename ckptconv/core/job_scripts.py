@@ -92,7 +92,9 @@ return transition(ARGV[1], KEYS[1], KEYS[2], ARGV[2], set_of(ARGV[3]), ARGV[4], 
 )
 
 # A worker starts an attempt: take the lease and count the attempt in one step, so that each
-# attempt number has exactly one holder. Refused while another token holds a live lease.
+# attempt number has exactly one holder. Refused while another token holds a live lease. The same
+# call sent again after its reply was lost (its token holds the lease and names the attempt's
+# worker) answers the attempt it started, and does not count another.
 # KEYS: lease, job, events. ARGV: prefix, id, token, lease_ms, now_ms, max_attempts
 # Returns {'started', attempt, previous state} | {'held', holder} | {'terminal', state}
 #       | {'exhausted', attempts} | {'missing', ''}
@@ -105,6 +107,7 @@ if not state then return {'missing', ''} end
 if TERMINAL[state] then return {'terminal', state} end
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[3] then return {'held', holder} end
+if holder and redis.call('HGET', KEYS[2], 'worker') == ARGV[3] then return {'started', meta[2], state} end
 local attempts = tonumber(meta[2] or '0')
 if attempts >= tonumber(ARGV[6]) then return {'exhausted', tostring(attempts)} end
 local attempt = tostring(attempts + 1)

@@ -34,6 +34,8 @@ import json
 import time
 from typing import Any
 
+from redis.backoff import EqualJitterBackoff
+
 from ckptconv.core.job_records import (
     EVENTS_MAXLEN,
     TERMINAL,
@@ -56,6 +58,23 @@ from ckptconv.core.job_scripts import (
     SUBMIT_LUA,
     TRANSITION_LUA,
 )
+
+# The one retry policy of every Redis client ckptconv makes (the API's pooled and multiplexed
+# commands, ``service.limits.redis_retry``, and each worker's, ``worker.celery_app.store``): a command
+# that met a lost connection is sent again up to REDIS_RETRIES times, after 50-100 ms, 100-200 ms,
+# 200-400 ms. Every script a command runs is safe to send again after its reply was lost.
+REDIS_RETRIES = 3
+
+
+def redis_backoff() -> EqualJitterBackoff:
+    """The waits of the Redis retry policy (:data:`REDIS_RETRIES`).
+
+    Jittered: when Redis drops every client at once (a restart, ``CLIENT KILL TYPE normal``), the
+    processes and the commands of each would otherwise reconnect and resend in lockstep, one burst
+    per step. Equal jitter (half fixed, half random) rather than full jitter keeps the total wait at
+    350 ms or more, so that a Redis restart still costs no error.
+    """
+    return EqualJitterBackoff(cap=0.5, base=0.05)
 
 
 def _digest(identity: str) -> str:
