@@ -531,3 +531,25 @@ def test_an_output_over_the_copy_threshold_is_published_by_part_copies(
         assert list(storage.list(f"s3://{s3_bucket}/two/")) == []
     assert sorted(copied) == [1, 2, 3]
     assert _uploads(s3_bucket) == []
+
+
+def test_a_part_writes_a_local_file_in_pieces_of_the_single_worker_size(tmp_path: Path, monkeypatch) -> None:
+    """A part hands a local file its values in pieces, as the single-worker sinks do (one write of
+    a whole large value into the page cache costs more per byte), and the bytes stay the same."""
+    from ckptconv.engine.fanout import part
+    from ckptconv.storage.local import LocalPatch
+
+    source = _source(tmp_path, "safetensors")
+    expected = _single(source, str(tmp_path / "one" / "out.mdl"), "cs-h5")
+    monkeypatch.setattr(part, "WRITE_PIECE_BYTES", 1 * MiB, raising=False)
+    sizes: list[int] = []
+    write_at = LocalPatch.write_at
+
+    def recorded(self: LocalPatch, offset: int, data: memoryview) -> None:
+        sizes.append(len(memoryview(data).cast("B")))
+        write_at(self, offset, data)
+
+    monkeypatch.setattr(LocalPatch, "write_at", recorded)
+    result = convert(source, str(tmp_path / "two" / "out.mdl"), to="cs-h5", parallelism=2, job_id="pieces")
+    assert [_sha(o.uri) for o in result.outputs] == expected
+    assert sum(sizes) > 8 * MiB and max(sizes) == 1 * MiB

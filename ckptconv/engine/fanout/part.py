@@ -29,6 +29,7 @@ from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.engine.staging import _layout
 from ckptconv.formats.base import TensorSource
 from ckptconv.formats.layout import FileLayout, Span, span_bytes, value_bytes
+from ckptconv.formats.sharding import WRITE_PIECE_BYTES
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 from ckptconv.storage.local import LocalPatch
@@ -170,8 +171,13 @@ def run_part(
                             current = (span.source, value_bytes(value), value)
                             tensors += 1
                         piece = span_bytes(f, span, current[1], crcs)[at : at + n]
-                    writers[fi].write_at(offset, piece)
-                    h.update(piece)
+                    # In pieces, each hashed right after it is written, while still in the CPU's
+                    # caches: a whole value (up to hundreds of MB) would be read from memory twice,
+                    # and single writes that large into the page cache cost more per byte.
+                    for done in range(0, n, WRITE_PIECE_BYTES):
+                        chunk = piece[done : done + WRITE_PIECE_BYTES]
+                        writers[fi].write_at(offset + done, chunk)
+                        h.update(chunk)
                     written += n
                     if runner is not None:
                         runner.report(index, tensors, written)
