@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +104,11 @@ class LayoutRecorder:
         self.spans: list[Span] = []
         self.pos = 0
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, each: Callable[[memoryview], None] | None = None) -> None:
         self.gaps += data
         self.pos += data.nbytes if isinstance(data, memoryview) else len(data)
+        if each is not None:
+            each(memoryview(data).cast("B"))
 
     def place(self, key: str, nbytes: int, kind: str) -> None:
         self.spans.append(Span(key, key, self.pos, nbytes, kind))

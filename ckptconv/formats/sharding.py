@@ -380,11 +380,16 @@ class HashingWriter:
     def uri(self) -> str:
         return self.writer.uri
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
+    def write(self, data: bytes | bytearray | memoryview, each: Callable[[memoryview], None] | None = None) -> None:
+        """Write ``data``; ``each(piece)``, when given, runs on this thread on every piece once it
+        is written, while that piece's sha256 is computed on the other thread (a second checksum
+        the format needs, a zip member's CRC-32: beside the sha256 instead of after it)."""
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
         if self._hasher is None or n < BESIDE_HASH_BYTES:
             self.sha256.update(data)
             self.writer.write(data)
+            if each is not None:
+                each(memoryview(data).cast("B"))
         else:
             view = memoryview(data).cast("B")
             step = self._piece or n
@@ -393,6 +398,8 @@ class HashingWriter:
                 hashed = self._hasher.submit(self.sha256.update, piece)
                 try:
                     self.writer.write(piece)
+                    if each is not None:
+                        each(piece)
                 finally:
                     hashed.result()  # the caller may reuse ``data`` once we return; hashes stay in order
         self.size += n

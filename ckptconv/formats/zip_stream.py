@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 from ckptconv.formats.layout import CRC32, DATA
 
 
 class _Out(Protocol):
-    def write(self, data: bytes | memoryview) -> object: ...
+    def write(self, data: bytes | memoryview, each: Callable[[memoryview], None] | None = None) -> object:
+        """Write ``data``; ``each(piece)`` on every piece of it once written, in order."""
 
 
 class _Placing(_Out, Protocol):
@@ -90,9 +92,15 @@ class ZipStreamWriter:
         self.pos += 4
 
     def feed(self, data: bytes | memoryview) -> None:
-        self._crc = zlib.crc32(data, self._crc)
-        self._written += data.nbytes if isinstance(data, memoryview) else len(data)
-        self._emit(data)
+        def crc(piece: memoryview) -> None:
+            self._crc = zlib.crc32(piece, self._crc)
+
+        # The CRC is computed piece by piece as the output writes them (HashingWriter: beside
+        # the file's sha256, from the caches), not in a pass over the whole value first.
+        self.out.write(data, each=crc)
+        n = data.nbytes if isinstance(data, memoryview) else len(data)
+        self._written += n
+        self.pos += n
 
     def end(self) -> None:
         if self._open is None:
