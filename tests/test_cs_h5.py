@@ -821,3 +821,35 @@ def test_a_heap_collection_claiming_gigabytes_is_walked_in_constant_memory(tmp_p
             r.readinto(bytearray(4096))
     finally:
         r.close()
+
+
+def test_blocks_not_hashed_as_written_are_read_back_while_fsync_waits(tmp_path, monkeypatch) -> None:
+    """A local file's commit hashes the blocks HDF5 wrote (read back from the page cache) while
+    fsync waits for the disk, not after it; the block digest is the file's."""
+    import threading
+
+    from ckptconv.formats import cs_h5_write
+    from ckptconv.storage.digests import DEFAULT_BLOCK_SIZE, WrittenBlocks, file_digests
+
+    read_back = threading.Event()
+    finish = WrittenBlocks.finish
+
+    def finishing(self, fd, size):  # type: ignore[no-untyped-def]
+        read_back.set()
+        return finish(self, fd, size)
+
+    seen: list[bool] = []
+
+    def fsync(fd: int) -> None:
+        seen.append(read_back.wait(timeout=5))  # the read-back started meanwhile
+
+    monkeypatch.setattr(WrittenBlocks, "finish", finishing)
+    monkeypatch.setattr(cs_h5_write.os, "fsync", fsync)
+    out = tmp_path / "out.mdl"
+    entries, spec, values = entries_from_tree({"w": torch.randn(512, 1024), "b": torch.randn(7)})
+    (written,) = write_all(sink(out), entries, spec, values)
+    monkeypatch.undo()
+    assert seen[0] is True  # the file's own fsync (the directory's follows at publication)
+    with open(out, "rb") as f:
+        _, blocks = file_digests(f, DEFAULT_BLOCK_SIZE)
+    assert written.blocks == {"block_size": DEFAULT_BLOCK_SIZE, "sha256": blocks}

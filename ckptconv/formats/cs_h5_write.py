@@ -296,10 +296,18 @@ class CsH5Sink(CerebrasSink):
         blocks = None
         fd = os.open(self._tmp_path, os.O_RDONLY)
         try:
-            if self.fsync:
-                os.fsync(fd)
-            if self._written is not None:
-                blocks = self._written.finish(fd, size)
+            if self._written is not None and self.fsync:
+                # The blocks not hashed as written (HDF5's metadata among them) are read back from
+                # the page cache and hashed on another thread while fsync waits for the disk.
+                with ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5-read-back") as pool:
+                    hashed = pool.submit(self._written.finish, fd, size)
+                    os.fsync(fd)
+                    blocks = hashed.result()
+            else:
+                if self.fsync:
+                    os.fsync(fd)
+                if self._written is not None:
+                    blocks = self._written.finish(fd, size)
         finally:
             os.close(fd)
         sha256 = None
