@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from test_e2e_service import wait_for
 
 from ckptconv.core.auth import create_key, hash_key, load_keys_file
 from ckptconv.core.errors import Unauthorized
@@ -268,7 +269,11 @@ def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     first: dict = {}
     t = threading.Thread(target=lambda: first.setdefault("r", api.client.post("/v1/plans", json=body, headers=h)))
     t.start()
-    time.sleep(0.3)
+    # Sent once the first request holds the key (not after a fixed pause: on a busy machine its
+    # thread may not have run yet); it holds it for the whole plan timeout, which is far longer
+    # than this request needs to reach its own claim.
+    claims = f"{api.settings.redis_prefix}idem:*"
+    wait_for(lambda: any(api.redis.scan_iter(match=claims)) or not t.is_alive())
     assert_problem(api.client.post("/v1/plans", json=body, headers=h), 409, "idempotent_request_in_flight")
     t.join()
     assert_problem(first["r"], 503, "worker_timeout")
@@ -477,7 +482,11 @@ def test_cancel_queued_running_and_finished_jobs(api) -> None:
 
 
 def _follow_in_thread(api, job_id: str, headers: dict, events: list[tuple[str, dict]]) -> threading.Thread:
-    """Read the job's event stream into ``events`` (name, data) on a thread, until it ends."""
+    """Read the job's event stream into ``events`` (name, data) on a thread, until it ends.
+
+    Returns once the stream sent its first event (the job as it is): from then on it delivers
+    every change of the job. Not after a fixed pause: on a busy machine a stream opened late sees
+    the job already finished, and only its final state."""
 
     def follow() -> None:
         with api.client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as r:
@@ -491,6 +500,7 @@ def _follow_in_thread(api, job_id: str, headers: dict, events: list[tuple[str, d
 
     t = threading.Thread(target=follow)
     t.start()
+    wait_for(lambda: events or not t.is_alive())
     return t
 
 
@@ -499,7 +509,6 @@ def test_event_stream_replays_history_and_ends_with_the_job(api) -> None:
     job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
     events: list[tuple[str, dict]] = []
     t = _follow_in_thread(api, job["id"], api.a, events)
-    time.sleep(0.5)
     store.transition(job["id"], ("queued",), "running")
     store.progress(
         job["id"], {"stage": "converting", "tensors_done": 1, "tensors_total": 2, "bytes_done": 4, "bytes_total": 8}
@@ -521,7 +530,6 @@ def test_a_hostile_last_event_id_resumes_from_now(api, last_event_id: str) -> No
     job = api.client.post("/v1/jobs", json=job_body(), headers=api.a).json()
     events: list[tuple[str, dict]] = []
     t = _follow_in_thread(api, job["id"], {**api.a, "Last-Event-ID": last_event_id}, events)
-    time.sleep(0.5)
     store.transition(job["id"], ("queued",), "running")
     store.transition(job["id"], ("running",), "succeeded", {"result": {"outputs": []}})
     t.join(timeout=20)
