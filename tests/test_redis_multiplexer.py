@@ -63,6 +63,19 @@ def plain(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, decode_responses=True)
 
 
+async def stalled(server: PrivateRedis, seconds: int) -> asyncio.Future:
+    """Stall ``server`` for ``seconds`` (DEBUG SLEEP, sent from a thread); returns the sleep's
+    future once Redis is inside it (its main thread sleeping in the kernel), not after a fixed
+    pause: on a busy machine the thread may send the command late, and the commands a test then
+    sends would be answered before the stall."""
+    stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", str(seconds)))
+    wchan = Path(f"/proc/{server.proc.pid}/wchan")
+    while "nanosleep" not in wchan.read_text():
+        assert not stall.done(), "the stall ended before it was seen"
+        await asyncio.sleep(0.001)
+    return stall
+
+
 def test_commands_of_one_iteration_go_out_together_on_one_connection(server: PrivateRedis) -> None:
     async def scenario() -> None:
         r = client(server.url, max_connections=64)
@@ -185,8 +198,7 @@ def test_redis_killed_mid_burst_fails_commands_typed_and_the_next_ones_reconnect
         try:
             assert await r.set("mux:before", "1")
             # Commands queued behind a busy Redis are waiting for their replies when it dies.
-            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "1"))
-            await asyncio.sleep(0.2)
+            stall = await stalled(server, 1)
             waiting = [asyncio.ensure_future(r.incr("mux:burst")) for _ in range(200)]
             while not r._mux._connection or not r._mux._connection.pending:
                 await asyncio.sleep(0.01)
@@ -242,8 +254,7 @@ def test_a_stalled_redis_times_out_as_a_pooled_command_does(server: PrivateRedis
         try:
             await r.ping()
             await pooled.ping()
-            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "3"))
-            await asyncio.sleep(0.2)
+            stall = await stalled(server, 3)
             outcomes = await asyncio.gather(r.get("mux:x"), pooled.get("mux:x"), return_exceptions=True)
             await stall
             assert await r.set("mux:x", "after")  # and the next command is answered
@@ -263,8 +274,7 @@ def test_a_stalled_redis_holds_as_many_commands_as_the_pool_had_connections(serv
         r = client(server.url, max_connections=4, pool_timeout=0.5)
         try:
             await r.ping()
-            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "2"))
-            await asyncio.sleep(0.2)
+            stall = await stalled(server, 2)
             held = [asyncio.ensure_future(r.incr("mux:held")) for _ in range(4)]
             await asyncio.sleep(0)
             with pytest.raises(redis.exceptions.ConnectionError, match="No connection available"):
@@ -283,8 +293,7 @@ def test_a_redis_stalled_while_the_connection_opens_holds_no_more_commands(serve
     async def scenario() -> list[Any]:
         r = client(server.url, max_connections=4, pool_timeout=0.5)
         try:
-            stall = asyncio.ensure_future(asyncio.to_thread(plain(server.url).execute_command, "DEBUG", "SLEEP", "2"))
-            await asyncio.sleep(0.2)
+            stall = await stalled(server, 2)
             r._mux._handshake.append(("PING",))  # a handshake to wait on, whatever the protocol
             outcomes = await asyncio.gather(*(r.incr("mux:opening") for _ in range(12)), return_exceptions=True)
             await stall
