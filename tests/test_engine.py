@@ -484,3 +484,26 @@ def test_a_takeover_resumes_a_killed_publication_and_publishes_everything(
     assert sorted([*(o.uri for o in result.outputs), result.manifest]) == _under(target)
     engine.discard_staging(target, "killed-job")  # a late cleanup: the published output stays
     assert_same(read_all(src), read_all(target))
+
+
+@pytest.mark.parametrize("to", ["safetensors", "cs-h5"])
+def test_a_jobs_s3_outputs_name_it_from_staging_on_so_publication_copies_them_as_they_are(
+    to: str, tmp_path: Path, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptconv.core.fencing import Attempt, attempt_scope
+    from ckptconv.storage.base import OWNER_METADATA
+
+    src = write_source(tmp_path, "safetensors")
+    target = f"s3://{s3_bucket}/out/model" + (".mdl" if to == "cs-h5" else "")
+    storage = open_storage(target)
+    copies: list[dict] = []
+    copy_object = storage.client.copy_object
+    monkeypatch.setattr(storage.client, "copy_object", lambda **k: copies.append(k) or copy_object(**k))
+    with attempt_scope(Attempt("job-7", 1, lambda: None)):
+        result = convert(src, target, to=to, shard_size="1KB", job_id="job-7")
+    published = [*(o.uri for o in result.outputs), result.manifest]
+    assert len(copies) == len(published) > 1
+    # Each staged object named the job when it was written: no copy replaces the metadata (which
+    # makes some servers stream the object again), each is pinned to the object publication checked.
+    assert all("MetadataDirective" not in k and k["CopySourceIfMatch"] for k in copies)
+    assert {storage.user_metadata(uri).get(OWNER_METADATA) for uri in published} == {"job-7"}

@@ -169,6 +169,28 @@ def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, 
     assert sorted(left) == sorted([o.uri for o in result.outputs] + [result.manifest])
 
 
+@pytest.mark.parametrize(("to", "name"), [("cs-h5", "out.mdl"), ("safetensors", "out.safetensors")])
+def test_a_fanned_out_jobs_s3_outputs_name_it_from_their_upload_on(
+    to: str, name: str, tmp_path: Path, s3_bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptconv.core.fencing import Attempt, attempt_scope
+
+    source = _source(tmp_path, "safetensors" if to == "cs-h5" else "cs-h5")
+    target = f"s3://{s3_bucket}/fan/{name}"
+    storage = open_storage(target)
+    copies: list[dict] = []
+    copy_object = storage.client.copy_object
+    monkeypatch.setattr(storage.client, "copy_object", lambda **k: copies.append(k) or copy_object(**k))
+    with attempt_scope(Attempt("fan-job", 1, lambda: None)):
+        result = convert(source, target, to=to, parallelism=2, job_id="fan-job")
+    published = [*(o.uri for o in result.outputs), result.manifest]
+    # The multipart upload the parts fill was created naming the job: its publication is a plain
+    # copy (replacing the metadata makes some servers stream the object again), pinned to its ETag.
+    assert len(copies) == len(published)
+    assert all("MetadataDirective" not in k and k["CopySourceIfMatch"] for k in copies)
+    assert {storage.user_metadata(uri).get(OWNER_METADATA) for uri in published} == {"fan-job"}
+
+
 def test_a_full_verify_reads_the_upload_back_once_and_checks_its_blocks(tmp_path: Path, s3_bucket) -> None:
     source = _source(tmp_path, "safetensors")
     result = convert(source, f"s3://{s3_bucket}/full/m.mdl", to="cs-h5", parallelism=2, job_id="full", verify="full")

@@ -209,6 +209,57 @@ def test_s3_publish_names_its_owner_beside_the_objects_metadata_on_both_copy_pat
     assert storage.client.head_object(Bucket=s3_bucket, Key="out/small").get("ContentType") == content_type
 
 
+def test_s3_objects_written_in_a_jobs_attempt_name_it_and_publish_copies_them_as_they_are(s3_bucket):
+    from ckptconv.core.fencing import Attempt, attempt_scope
+    from ckptconv.storage.base import OWNER_METADATA
+    from ckptconv.storage.part_upload import PartUpload
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage(multipart_copy_threshold=6 * MiB, copy_part_size=5 * MiB)
+    meta = {"metadata": '{"__NUMPY__": true}'}
+    big = os.urandom(11 * MiB)
+    with attempt_scope(Attempt("job-1", 2, lambda: None)):
+        storage.write_bytes(f"s3://{s3_bucket}/stage/put", b"tiny")  # one PutObject
+        with storage.open_writer(f"s3://{s3_bucket}/stage/streamed", metadata=meta, part_size=5 * MiB) as w:
+            w.write(big[: 5 * MiB + 1])  # a streamed multipart upload (two parts)
+        upload = PartUpload(storage, f"s3://{s3_bucket}/stage/parts", part_size=5 * MiB, metadata=meta)
+        upload.write_at(0, big)  # a positioned multipart upload, over the copy threshold
+        upload.complete(len(big))
+        small = PartUpload(storage, f"s3://{s3_bucket}/stage/small", part_size=5 * MiB, metadata=meta)
+        small.write_at(0, b"abc")  # within one part: one PutObject
+        small.complete(3)
+    # Outside any attempt (the CLI), an object carries only the metadata it was given.
+    storage.write_bytes(f"s3://{s3_bucket}/stage/cli", b"cli")
+    assert storage.user_metadata(f"s3://{s3_bucket}/stage/cli") == {}
+    names = {"put": {}, "streamed": meta, "parts": meta, "small": meta}
+    for name, given in names.items():
+        assert storage.user_metadata(f"s3://{s3_bucket}/stage/{name}") == {**given, OWNER_METADATA: "job-1"}
+    copies = _recorded(storage.client, "copy_object")
+    part_copies = _recorded(storage.client, "upload_part_copy")
+    etags = {name: storage.stat(f"s3://{s3_bucket}/stage/{name}").etag for name in names}
+    for name in names:
+        storage.publish([(f"s3://{s3_bucket}/stage/{name}", f"s3://{s3_bucket}/out/{name}")], owner="job-1")
+        assert storage.user_metadata(f"s3://{s3_bucket}/out/{name}") == {**names[name], OWNER_METADATA: "job-1"}
+    assert storage.read_all(f"s3://{s3_bucket}/out/parts") == big
+    # The staged objects named the job: plain copies, each still pinned to the object publish checked.
+    assert [k.get("MetadataDirective") for k in copies] == [None] * 3
+    assert [k["CopySourceIfMatch"] for k in copies] == [f'"{etags[n]}"' for n in ("put", "streamed", "small")]
+    assert len(part_copies) == 3 and all(k["CopySourceIfMatch"] == f'"{etags["parts"]}"' for k in part_copies)
+
+
+def test_s3_publish_names_the_owner_of_an_object_staged_outside_its_attempt(s3_bucket):
+    from ckptconv.storage.base import OWNER_METADATA
+    from ckptconv.storage.s3 import S3Storage
+
+    storage = S3Storage()
+    staged, final = f"s3://{s3_bucket}/stage/old", f"s3://{s3_bucket}/out/old"
+    storage.write_bytes(staged, b"staged by a release that did not name the job")
+    copies = _recorded(storage.client, "copy_object")
+    storage.publish([(staged, final)], owner="job-1")
+    assert storage.user_metadata(final) == {OWNER_METADATA: "job-1"}
+    assert [k.get("MetadataDirective") for k in copies] == ["REPLACE"]
+
+
 def test_s3_publish_copies_the_parts_of_a_large_object_concurrently(s3_bucket):
     import threading
     import time

@@ -41,7 +41,7 @@ BLOCK_SIZE = 8 << 20
 STREAM_PART_SIZE = 64 << 20
 
 # The user-metadata key (``x-amz-meta-ckptconv-job`` on S3) under which ``publish`` names the job
-# that placed an object.
+# that placed an object (S3 writes it already when a job's attempt creates the staged object).
 OWNER_METADATA = "ckptconv-job"
 
 

@@ -70,7 +70,9 @@ class PartUpload:
         self._storage = storage
         self._bucket, self._key = storage._object(uri, writing=True)
         self._overwrite = overwrite
-        self._metadata = metadata  # the object's user metadata, given when the upload is created
+        # The object's user metadata, given when the upload is created; resolved here, in the
+        # caller's thread, where the job's attempt is in scope (the upload may start on the pool).
+        self._metadata = storage.object_metadata(metadata)
         self._open: dict[int, tuple[bytearray, int]] = {}  # part -> (buffer, bytes filled)
         self._sent: set[int] = set()
         self._futures: list[Future[dict[str, Any]]] = []
@@ -319,7 +321,7 @@ class PartUpload:
             raise StorageError(f"{self.uri}: {size} bytes announced, {filled} written")
         if self._block_digest:
             self.blocks.add(0, memoryview(buf)[:size])
-        with self._storage.open_writer(self.uri, overwrite=self._overwrite) as w:
+        with self._storage.open_writer(self.uri, overwrite=self._overwrite, metadata=self._metadata) as w:
             w.write(memoryview(buf)[:size])
         self._state = "completed"
         self._stop_pool()

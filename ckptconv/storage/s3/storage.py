@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 from botocore.exceptions import ClientError
 
 from ckptconv.core.errors import InvalidRequest, ObjectNotFound, StorageError, TargetExists, VerificationFailed
+from ckptconv.core.fencing import current_attempt
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import s3_uri, split_s3
 from ckptconv.storage.base import OWNER_METADATA, STREAM_PART_SIZE, ObjectInfo, RangeReader, Storage, Writer
@@ -245,7 +246,20 @@ class S3Storage(Storage):
         # Early refusal saves uploading gigabytes that commit would refuse anyway.
         if not overwrite and self.exists(uri):
             raise TargetExists(f"{uri} already exists", uri=uri)
+        metadata = self.object_metadata(metadata)
         return S3Writer(self, uri, bucket, key, overwrite=overwrite, part_size=part_size, metadata=metadata)
+
+    def object_metadata(self, metadata: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The user metadata of an object written now: ``metadata`` and, inside a job's attempt,
+        the job's id under :data:`OWNER_METADATA`.
+
+        A staged object names its job from the start, so publication places it with a plain
+        server-side copy that keeps its metadata: naming the job only at the copy (replacing the
+        metadata) made servers such as s3rver stream the whole object again.
+        """
+        attempt = current_attempt()
+        owner = {OWNER_METADATA: attempt.job_id} if attempt is not None else {}
+        return {**(metadata or {}), **owner}
 
     def _pages(self, uri: str, method: Callable[..., dict[str, Any]], token: str, **kwargs: Any) -> Iterator[dict]:
         """The pages of a listing call, each page retried on its own."""
@@ -381,7 +395,9 @@ class S3Storage(Storage):
     def publish(self, pairs: Iterable[tuple[str, str]], *, overwrite: bool = False, owner: str | None = None) -> None:
         """Copy each staging object to its final key (server-side), in order, then delete the staging
         key (a delete that fails is logged, not raised: the final object is in place). With an
-        ``owner``, each copy names it in its user metadata (:data:`OWNER_METADATA`).
+        ``owner``, each copy names it in its user metadata (:data:`OWNER_METADATA`): a staged
+        object that names it already (written inside its attempt: :meth:`object_metadata`) is
+        copied with its metadata as it is.
 
         Every source is checked to exist, and (unless ``overwrite``) every target to be absent,
         before the first copy, so a refused publish changes nothing.
@@ -408,9 +424,11 @@ class S3Storage(Storage):
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
-        if owner is not None:
-            # Replacing the metadata replaces all of it: the source's is carried over by hand.
-            head = self._head(src, src_bucket, src_key)
+        head = self._head(src, src_bucket, src_key) if owner is not None else {}
+        if owner is not None and head.get("Metadata", {}).get(OWNER_METADATA) != owner:
+            # Staged outside the job's attempt (object_metadata did not name it): the copy names
+            # it. Replacing the metadata replaces all of it: the source's is carried over by hand,
+            # and some servers stream the whole object again for it (a plain copy keeps it as is).
             kwargs["MetadataDirective"] = "REPLACE"
             kwargs["Metadata"] = {**head.get("Metadata", {}), OWNER_METADATA: owner}
             if head.get("ContentType"):
