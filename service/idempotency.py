@@ -12,8 +12,8 @@ window in which it is "in flight"); other requests claim the key first, then sto
 (2xx and 4xx are stored; after a 5xx the claim is released so that a retry runs again). A claim
 holds a token of its request: the claim sent again after its reply was lost (``service.multiplexer``
 resends the commands of a lost connection) finds its own token and is claimed, not "in flight";
-a release drops only a claim holding its own token, never the claim of another request that took
-the key after this one's claim lapsed (or a resent release after another request claimed it).
+a release, or the recording of an answer, acts only on a claim holding its own token, never on the
+claim of another request that took the key after this one's claim lapsed (or after a resent release).
 """
 
 from __future__ import annotations
@@ -72,5 +72,5 @@ async def idempotent(
         await state.store.idem_release(record_key, token)
         raise
     ttl = state.settings.idempotency_ttl_seconds
-    await state.store.idem_complete(record_key, response.status_code, bytes(response.body).decode(), "", ttl)
+    await state.store.idem_complete(record_key, token, response.status_code, bytes(response.body).decode(), "", ttl)
     return response

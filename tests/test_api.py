@@ -5,6 +5,7 @@ What needs a worker (jobs running, dry runs answered, webhooks) is in test_e2e_s
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import subprocess
@@ -298,6 +299,39 @@ def test_a_5xx_releases_only_its_own_idempotency_claim(api) -> None:
     t.join()
     assert_problem(first["r"], 503, "worker_timeout")
     assert api.redis.hgetall(record).get("claim") == "another-request"
+    assert_problem(api.client.post("/v1/plans", json=body, headers=h), 409, "idempotent_request_in_flight")
+
+
+def test_an_answer_is_stored_only_over_its_own_idempotency_claim(api, monkeypatch) -> None:
+    # While the dry run works, its claim lapses and another request claims the key: the dry run's
+    # answer must not be recorded over that claim (a third request would be answered with it, and
+    # the claim holder's own outcome would be overwritten when it finishes).
+    from service.routes import plans
+
+    swapped = threading.Event()
+
+    async def answer(state, name, payload):
+        while not swapped.is_set():
+            await asyncio.sleep(0.01)
+        return {"outputs": []}
+
+    monkeypatch.setattr(plans, "call_worker", answer)
+    h = {**api.a, "Idempotency-Key": "plan-complete-own"}
+    body = job_body(5)
+    pattern = api.keys.idempotency("*", "*")
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.setdefault("r", api.client.post("/v1/plans", json=body, headers=h)))
+    t.start()
+    record = None
+    while record is None and t.is_alive():
+        record = next(iter(api.redis.scan_iter(match=pattern)), None)
+    assert record is not None and api.redis.hget(record, "status") == "pending"
+    api.redis.hset(record, "claim", "another-request")
+    swapped.set()
+    t.join()
+    assert first["r"].status_code == 200, first["r"].text
+    stored = api.redis.hgetall(record)
+    assert stored.get("status") == "pending" and stored.get("claim") == "another-request", stored
     assert_problem(api.client.post("/v1/plans", json=body, headers=h), 409, "idempotent_request_in_flight")
 
 

@@ -247,6 +247,18 @@ if claim[1] == 'pending' and claim[2] == ARGV[1] then return redis.call('DEL', K
 return 0
 """
 
+# Record a request's answer (2xx, 4xx) over its pending claim, only if the claim is still the
+# caller's own: a claim that lapsed and was taken by another request stays that request's (its own
+# answer is recorded when it ends). Sent again after its reply was lost, it finds the answer done.
+# KEYS: idempotency. ARGV: token, code, body, location, ttl_seconds
+IDEM_COMPLETE_LUA = """
+local claim = redis.call('HMGET', KEYS[1], 'status', 'claim')
+if claim[1] ~= 'pending' or claim[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'done', 'code', ARGV[2], 'body', ARGV[3], 'location', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
 # Worker heartbeat: renew the lease if still ours, keep the broker from re-delivering the running
 # task's message (kombu's unacked index is scored by delivery time), and read the cancel flag.
 # A lease that lapsed (Redis slow or unreachable for longer than the lease) is taken again when

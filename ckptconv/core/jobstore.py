@@ -50,6 +50,7 @@ from ckptconv.core.job_scripts import (
     CANCEL_LUA,
     HEARTBEAT_LUA,
     IDEM_CLAIM_LUA,
+    IDEM_COMPLETE_LUA,
     IDEM_RELEASE_LUA,
     PROGRESS_LUA,
     RELEASE_LUA,
@@ -322,6 +323,7 @@ class AsyncJobStore:
         self._cancel = client.register_script(CANCEL_LUA)
         self._claim = client.register_script(IDEM_CLAIM_LUA)
         self._idem_release = client.register_script(IDEM_RELEASE_LUA)
+        self._idem_complete = client.register_script(IDEM_COMPLETE_LUA)
 
     async def submit(
         self,
@@ -437,11 +439,10 @@ class AsyncJobStore:
         args = [fingerprint, int(pending_seconds * 1000), token]
         return [as_str(x) for x in await self._claim(keys=[key], args=args)]
 
-    async def idem_complete(self, key: str, code: int, body: str, location: str, ttl_seconds: int) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(key, mapping={"status": "done", "code": str(code), "body": body, "location": location})
-        pipe.expire(key, ttl_seconds)
-        await pipe.execute()
+    async def idem_complete(self, key: str, token: str, code: int, body: str, location: str, ttl_seconds: int) -> None:
+        """Record the answer of the request whose pending claim holds ``token`` (``idem_claim``); a
+        claim another request took after this one's lapsed stays that request's."""
+        await self._idem_complete(keys=[key], args=[token, str(code), body, location, ttl_seconds])
 
     async def idem_release(self, key: str, token: str) -> None:
         """Drop the pending claim ``idem_claim`` made with ``token``; another request's claim stays."""
