@@ -262,6 +262,48 @@ def test_a_target_and_anything_under_or_over_it_are_one_reservation(api, tmp_pat
         assert submit(f"{base}/d2/").status_code == 202
 
 
+def test_a_submission_over_many_live_jobs_reads_one_page_of_them(tmp_path: Path) -> None:
+    # Thousands of live jobs under one directory: a submission for that directory is refused on the
+    # first live one it reads, without reading the whole set of them (which blocked Redis, one
+    # single-threaded script per refused request). A private server: its command counts are ours.
+    import redis.asyncio
+    from conftest import PrivateRedis
+
+    from ckptconv.core.job_records import new_record
+    from ckptconv.core.jobstore import AsyncJobStore
+
+    server = PrivateRedis(tmp_path, aof=False)
+    try:
+        keys = RedisKeys("many:")
+        sync = redis.Redis.from_url(server.url, decode_responses=True)
+
+        async def scenario() -> list[str]:
+            store = AsyncJobStore(redis.asyncio.Redis.from_url(server.url, decode_responses=True), keys)
+
+            async def submit(uri: str) -> list[str]:
+                claim = keys.target_claim(uri)
+                rec = new_record(
+                    job_id=new_job_id(), owner="o", kind="convert", request={}, webhook_secret=None,
+                    created=1, target_claim=claim, scopes=None,
+                )  # fmt: skip
+                return await store.submit(
+                    rec, labels={}, idem_key=None, fingerprint="", idem_ttl_seconds=60, response_body="{}",
+                    queue="q", message="m",
+                )  # fmt: skip
+
+            for i in range(2000):
+                assert (await submit(f"s3://bucket/team/p/j{i}/model.mdl"))[0] == "created"
+            sync.config_resetstat()
+            return await submit("s3://bucket/team/p/")
+
+        assert asyncio.run(scenario())[0] == "target_taken"
+        stats = sync.info("commandstats")
+        assert "cmdstat_smembers" not in stats and stats["cmdstat_sscan"]["calls"] == 1, stats
+        assert stats["cmdstat_hmget"]["calls"] == 1
+    finally:
+        server.stop()
+
+
 def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     # No worker consumes the interactive queue, so a dry run waits plan_timeout_seconds (1 s) and
     # then answers 503; meanwhile its Idempotency-Key is in flight.

@@ -195,12 +195,19 @@ if #KEYS >= 4 then
       if owner then return {'target_taken', holder, owner} end
     end
   end
-  -- The first live job under this target is found at once: a final job leaves the set when it ends.
-  for _, holder in ipairs(redis.call('SMEMBERS', KEYS[5])) do
-    local owner = live(holder)
-    if owner then return {'target_taken', holder, owner} end
-    redis.call('SREM', KEYS[5], holder)
-  end
+  -- The first live job under this target is found in the first page: a final job leaves the set
+  -- when it ends (a stale member found is dropped). Paged rather than SMEMBERS: with thousands of
+  -- live jobs under a directory, reading the whole set blocked Redis for each refused submission.
+  local cursor = '0'
+  repeat
+    local page = redis.call('SSCAN', KEYS[5], cursor, 'COUNT', 16)
+    cursor = page[1]
+    for _, holder in ipairs(page[2]) do
+      local owner = live(holder)
+      if owner then return {'target_taken', holder, owner} end
+      redis.call('SREM', KEYS[5], holder)
+    end
+  until cursor == '0'
   redis.call('SET', KEYS[4], id)
   for i = 7, #KEYS, 2 do redis.call('SADD', KEYS[i], id) end
 end
