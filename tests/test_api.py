@@ -262,6 +262,35 @@ def test_a_target_and_anything_under_or_over_it_are_one_reservation(api, tmp_pat
         assert submit(f"{base}/d2/").status_code == 202
 
 
+def test_a_target_and_a_file_it_writes_beside_itself_are_one_reservation(api, tmp_path: Path) -> None:
+    # A TF bundle named by its prefix writes "<prefix>.index" and "<prefix>.data-..." beside it, and a
+    # file target its "<file>.manifest.json": a target at one of those names publishes to the same
+    # key; whichever comes first, the second is refused at submit, not at publication after its work.
+    key, _ = create_key(api.redis, api.keys, "siblings", ["s3://bucket/team-a/", f"{tmp_path}/"])
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def submit(target: str, fmt: str = "safetensors"):
+        body = {"kind": "convert", "source": {"uri": "s3://bucket/team-a/in.safetensors"}}
+        return api.client.post("/v1/jobs", json={**body, "target": {"uri": target, "format": fmt}}, headers=auth)
+
+    def cancel(job) -> None:
+        assert api.client.post(f"/v1/jobs/{job.json()['id']}/cancel", headers=auth).json()["state"] == "cancelled"
+
+    for base in ("s3://bucket/team-a/sib", f"{tmp_path}/sib"):
+        bundle = submit(f"{base}/a/model", "tf")
+        assert bundle.status_code == 202, bundle.text
+        assert_problem(submit(f"{base}/a/model.index"), 409, "target_taken")
+        assert_problem(submit(f"{base}/a/model.data-00000-of-00001"), 409, "target_taken")
+        assert_problem(submit(f"{base}/a/model.manifest.json"), 409, "target_taken")
+        assert submit(f"{base}/a/model.v2.safetensors").status_code == 202  # not a name it writes
+        cancel(bundle)
+        index = submit(f"{base}/b/model.data-00000-of-00001")
+        assert index.status_code == 202, index.text
+        assert_problem(submit(f"{base}/b/model", "tf"), 409, "target_taken")
+        cancel(index)
+        assert submit(f"{base}/b/model", "tf").status_code == 202
+
+
 def test_a_submission_over_many_live_jobs_reads_one_page_of_them(tmp_path: Path) -> None:
     # Thousands of live jobs under one directory: a submission for that directory is refused on the
     # first live one it reads, without reading the whole set of them (which blocked Redis, one

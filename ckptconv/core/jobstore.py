@@ -16,8 +16,9 @@ Layout (every key starts with ``Settings.redis_prefix``, written ``{p}`` below):
 - ``{p}target:{hash}``: the reservation of a target URI (value: the job id), and
   ``{p}target-under:{hash}``: the live jobs whose targets lie under that URI. Taken by the submit
   script when the job is accepted: a second job for the same target, for one under it or for one
-  holding it (a directory target and a file in it publish to the same keys) is refused with
-  ``target_taken``. The job's hash names them in ``target_key`` and ``target_claim``; ``transition``
+  holding it (a directory target and a file in it publish to the same keys; so do a TF bundle's
+  prefix and a file target named as its ``.index``, see ``engine.staging.sibling_holders``) is
+  refused with ``target_taken``. The job's hash names them in ``target_key`` and ``target_claim``; ``transition``
   releases them when the job reaches a final state. A reservation (or set member) whose job is gone
   or final is stale: it is taken over (dropped).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from redis.backoff import EqualJitterBackoff
@@ -102,13 +104,15 @@ class RedisKeys:
         """The reservation key of a target URI (see :func:`target_identity`)."""
         return f"{self.p}target:{_digest(target_identity(uri))}"
 
-    def target_claim(self, uri: str) -> list[str]:
+    def target_claim(self, uri: str, holders: Iterable[str] = ()) -> list[str]:
         """The keys a job for target ``uri`` reserves it with (see SUBMIT_LUA): its reservation, the
         set of live jobs whose targets lie under it, then for each target that holds it (a directory
-        above, see :func:`enclosing_targets`) that one's reservation and set of jobs under it."""
+        above, see :func:`enclosing_targets`, and ``holders``: the targets that write its name beside
+        themselves, e.g. a TF bundle's prefix for its ``.index``) that one's reservation and set of
+        jobs under it."""
         identity = target_identity(uri)
         claim = [self.target(identity), f"{self.p}target-under:{_digest(identity)}"]
-        for outer in enclosing_targets(identity):
+        for outer in [*enclosing_targets(identity), *(target_identity(h) for h in holders)]:
             claim += [self.target(outer), f"{self.p}target-under:{_digest(outer)}"]
         return claim
 

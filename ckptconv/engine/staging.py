@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from ckptconv.core.errors import (
     TargetExists,
 )
 from ckptconv.core.fencing import current_attempt
+from ckptconv.core.job_records import target_identity
 from ckptconv.core.uri import basename, normalize_uri
 from ckptconv.core.uri import parent as parent_of
+from ckptconv.formats.registry import FORMATS
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 
@@ -59,6 +62,17 @@ def _layout(storage: Storage, target: str, staging: str | None, job_id: str | No
     if staging is None:
         staging = attempt_staging(storage, parent, job_id)
     return _Layout(storage, target, parent, staging.rstrip("/"))
+
+
+def sibling_holders(target: str) -> list[str]:
+    """The targets that write ``target`` (canonical) beside themselves, not under: a file target
+    ``T`` places its manifest at ``T.manifest.json``, and a checkpoint named by a prefix ``T`` its
+    files (a TF bundle's ``T.index``, ``T.data-00000-of-00001``). Such a target and ``target``
+    publish to one final key, so they are one reservation (``RedisKeys.target_claim``)."""
+    parent, sep, name = target_identity(target).rpartition("/")
+    patterns = [re.escape(MANIFEST_SUFFIX)] + [spec.prefix_files for spec in FORMATS.values() if spec.prefix_files]
+    stems = (re.fullmatch(f"(.+?)(?:{pattern})", name) for pattern in patterns)
+    return list(dict.fromkeys(parent + sep + m.group(1) for m in stems if m is not None))
 
 
 def staging_root(target: str) -> str:

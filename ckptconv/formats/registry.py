@@ -50,6 +50,7 @@ class FormatSpec:
     index_suffixes: tuple[str, ...] = ()  # endings of a file that names a checkpoint of several files
     markers: tuple[str, ...] = ()  # a name under a directory or prefix that makes it this format
     prefix_suffixes: tuple[str, ...] = ()  # a checkpoint named by a prefix of its files (``<prefix>.index``)
+    prefix_files: str = ""  # regex: every name such a checkpoint writes after its prefix (beside it)
     sniff: Callable[[bytes], bool] | None = None  # the first bytes of one of its files
     sniff_names: Callable[[list[str]], bool] | None = None  # the names under a prefix, when no marker is there
     sharded: bool = False  # one checkpoint may be several files
@@ -136,6 +137,7 @@ FORMATS: dict[str, FormatSpec] = {
             "TensorFlow saver bundle (.index + .data-NNNNN-of-NNNNN)",
             index_suffixes=(".index",),
             prefix_suffixes=(".index",),
+            prefix_files=r"\.index|\.data-\d{5}-of-\d{5}",
             sharded=True,
             # A bundle's index is sorted by key; the order is kept only with a nesting to record.
             capabilities=Capabilities(links=True, objects=True, shard_size=True, keeps_order=False),

@@ -33,6 +33,7 @@ from ckptconv.core.errors import (
     TargetTaken,
 )
 from ckptconv.core.job_records import TERMINAL, job_resource, new_job_id, new_record, now_ms
+from ckptconv.engine.staging import sibling_holders
 from ckptconv.jobs.kinds import get_kind
 from service.deps import AppState, IdempotencyKey, authorized, fingerprint, idempotency_record_key
 from service.idempotency import replay
@@ -134,7 +135,9 @@ async def create(
         request=request_doc,
         webhook_secret=body.webhook.secret if body.webhook else None,
         created=created,
-        target_claim=state.keys.target_claim(target_doc["uri"]) if target_doc else None,
+        target_claim=state.keys.target_claim(target_doc["uri"], sibling_holders(target_doc["uri"]))
+        if target_doc
+        else None,
         scopes=caller.scopes.to_record(),
     )
     response_body = _json(job_resource(rec))
