@@ -10,7 +10,7 @@ import pytest
 import torch
 from killed_copy import killed_after_the_first_file, killed_at_the_second_part, lower_copy_threshold
 
-from ckptconv.core.errors import Cancelled, InvalidRequest, TargetExists
+from ckptconv.core.errors import Cancelled, InvalidRequest, StorageUnavailable, TargetExists
 from ckptconv.engine import run as engine
 from ckptconv.engine.convert import convert, inspect, plan_conversion
 from ckptconv.engine.execute import execute, verify_output
@@ -471,6 +471,35 @@ def test_a_job_ending_unpublished_keeps_an_object_replaced_between_its_check_and
     assert replaced == [key]
     assert storage.read_all(placed[0]) == b"someone else's bytes"
     assert _under(target) == [placed[0]]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_failed_publication_removes_only_the_files_it_placed_that_are_still_its_own(
+    where: str, tmp_path: Path, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A publication fails at its second shard; meanwhile another writer replaced the first shard it
+    # placed. Undoing the publication removes what it placed, but not those other bytes.
+    src = write_source(tmp_path, "safetensors")
+    target = _target(where, tmp_path, s3_bucket)
+    storage = open_storage(target)
+    storage_class = type(storage)
+    publish = storage_class.publish
+    placed: list[str] = []
+
+    def failing(self, pairs, **kwargs) -> None:
+        pairs = list(pairs)
+        if placed:
+            storage.delete(placed[0])
+            storage.write_bytes(placed[0], b"someone else's bytes")
+            raise StorageUnavailable("the store went away", uri=pairs[0][1])
+        publish(self, pairs, **kwargs)
+        placed.append(pairs[0][1])
+
+    monkeypatch.setattr(storage_class, "publish", failing)
+    with pytest.raises(StorageUnavailable):
+        convert(src, target, to="safetensors", shard_size="1KB", job_id="failing-job")
+    assert _under(target) == placed
+    assert storage.read_all(placed[0]) == b"someone else's bytes"
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

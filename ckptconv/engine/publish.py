@@ -25,6 +25,7 @@ from ckptconv.engine.staging import (
     _staged_manifest,
     abort_interrupted_copies,
     record_placement,
+    remove_placed,
 )
 from ckptconv.formats.base import OutputFile
 from ckptconv.storage.base import Storage
@@ -165,21 +166,27 @@ def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
     except LeaseLost:
         raise
     except BaseException:
-        if _unpublish(storage, placed, job_id):
+        if _unpublish(layout, placed, job_id):
             _discard_after_failure(layout)
         raise
     _discard_job(layout, job_id)
     return ConvertResult.from_manifest(final_manifest, doc)
 
 
-def _unpublish(storage: Storage, placed: list[str], job_id: str | None) -> bool:
+def _unpublish(layout: _Layout, placed: list[str], job_id: str | None) -> bool:
     """Remove the files a failed publication placed (never anything else), if this attempt still
-    owns the job; returns whether it does."""
+    owns the job; returns whether it does. A job's are removed only while still the files it placed
+    (:func:`remove_placed`): another writer may have replaced one since."""
     try:
         fence(job_id)
     except LeaseLost:
         return False
-    for uri in reversed(placed):
-        with contextlib.suppress(Exception):  # best effort: the original error is the one to report
-            storage.delete(uri)
+    # Best effort: the original error is the one to report (the job's cleanup tries again).
+    with contextlib.suppress(Exception):
+        if job_id is not None:
+            remove_placed(layout, placed, job_id)
+        else:  # a run outside a job (the CLI) names no owner to check; it is the target's only writer
+            for uri in reversed(placed):
+                with contextlib.suppress(ObjectNotFound):
+                    layout.storage.delete(uri)
     return True

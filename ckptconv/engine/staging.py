@@ -216,9 +216,16 @@ def _unplace(area: _Layout, final_manifest: str, doc: dict[str, Any], job_id: st
     published = _read_json(storage, final_manifest)
     if published is not None and published.get("job_id") == job_id:
         return  # the publication finished: those files are the job's output
+    remove_placed(area, [f["uri"] for f in doc["files"]], job_id)
+
+
+def remove_placed(area: _Layout, uris: list[str], job_id: str) -> None:
+    """Remove, last first, the final files ``uris`` that a publication of this job staged in
+    ``area`` placed, and only while each is still the very file it placed (see
+    :func:`_delete_placed`): another writer's bytes at one of those names stay."""
+    storage = area.storage
     placement = _read_json(storage, storage.join(area.staging, PLACEMENT_NAME)) or {}
-    for f in reversed(doc["files"]):
-        uri = f["uri"]
+    for uri in reversed(uris):
         try:
             removed = _delete_placed(storage, uri, job_id, placement.get(uri))
         except ObjectNotFound:
