@@ -233,15 +233,23 @@ def test_one_target_spelled_with_or_without_a_trailing_slash_is_one_reservation(
             assert_problem(submit(other), 409, "target_taken")
 
 
-def test_a_target_and_anything_under_or_over_it_are_one_reservation(api, tmp_path: Path) -> None:
-    # A directory target and a file inside it publish to one final key: the second is refused
-    # whichever comes first, locally and on S3; a sibling sharing a name prefix is another target.
-    key, _ = create_key(api.redis, api.keys, "nested", ["s3://bucket/team-a/", f"{tmp_path}/"])
+def _submitter(api, tmp_path: Path, name: str) -> tuple:
+    """A function submitting a conversion to a given target, under a new key for team-a's S3 prefix
+    and ``tmp_path``, and that key's headers."""
+    key, _ = create_key(api.redis, api.keys, name, ["s3://bucket/team-a/", f"{tmp_path}/"])
     auth = {"Authorization": f"Bearer {key}"}
 
     def submit(target: str, fmt: str = "safetensors"):
         body = {"kind": "convert", "source": {"uri": "s3://bucket/team-a/in.safetensors"}}
         return api.client.post("/v1/jobs", json={**body, "target": {"uri": target, "format": fmt}}, headers=auth)
+
+    return submit, auth
+
+
+def test_a_target_and_anything_under_or_over_it_are_one_reservation(api, tmp_path: Path) -> None:
+    # A directory target and a file inside it publish to one final key: the second is refused
+    # whichever comes first, locally and on S3; a sibling sharing a name prefix is another target.
+    submit, auth = _submitter(api, tmp_path, "nested")
 
     for base in ("s3://bucket/team-a/nest", f"{tmp_path}/nest"):
         outer = submit(f"{base}/d1/")
@@ -266,12 +274,7 @@ def test_a_target_and_a_file_it_writes_beside_itself_are_one_reservation(api, tm
     # A TF bundle named by its prefix writes "<prefix>.index" and "<prefix>.data-..." beside it, and a
     # file target its "<file>.manifest.json": a target at one of those names publishes to the same
     # key; whichever comes first, the second is refused at submit, not at publication after its work.
-    key, _ = create_key(api.redis, api.keys, "siblings", ["s3://bucket/team-a/", f"{tmp_path}/"])
-    auth = {"Authorization": f"Bearer {key}"}
-
-    def submit(target: str, fmt: str = "safetensors"):
-        body = {"kind": "convert", "source": {"uri": "s3://bucket/team-a/in.safetensors"}}
-        return api.client.post("/v1/jobs", json={**body, "target": {"uri": target, "format": fmt}}, headers=auth)
+    submit, auth = _submitter(api, tmp_path, "siblings")
 
     def cancel(job) -> None:
         assert api.client.post(f"/v1/jobs/{job.json()['id']}/cancel", headers=auth).json()["state"] == "cancelled"
@@ -353,22 +356,31 @@ def test_idempotency_key_in_flight_is_409_and_released_after_a_5xx(api) -> None:
     assert_problem(api.client.post("/v1/plans", json=body, headers=h), 503, "worker_timeout")
 
 
-def test_a_5xx_releases_only_its_own_idempotency_claim(api) -> None:
-    # While the dry run waits (then answers 503), its claim is replaced by another request's (the
-    # first claim lapsed and another request claimed the key): the 503 must not release that one.
-    h = {**api.a, "Idempotency-Key": "plan-own"}
-    body = job_body(4)
+def _claim_taken_in_flight(api, body: dict, headers: dict, then=lambda: None) -> tuple:
+    """A dry run whose Idempotency-Key claim, while it runs, is replaced by another request's (the
+    first claim lapsed and another request claimed the key); ``then`` runs after the swap. Returns
+    the dry run's response and the key's record."""
     pattern = api.keys.idempotency("*", "*")
     first: dict = {}
-    t = threading.Thread(target=lambda: first.setdefault("r", api.client.post("/v1/plans", json=body, headers=h)))
+    t = threading.Thread(target=lambda: first.setdefault("r", api.client.post("/v1/plans", json=body, headers=headers)))
     t.start()
     record = None
     while record is None and t.is_alive():
         record = next(iter(api.redis.scan_iter(match=pattern)), None)
     assert record is not None and api.redis.hget(record, "status") == "pending"
     api.redis.hset(record, "claim", "another-request")
+    then()
     t.join()
-    assert_problem(first["r"], 503, "worker_timeout")
+    return first["r"], record
+
+
+def test_a_5xx_releases_only_its_own_idempotency_claim(api) -> None:
+    # While the dry run waits (then answers 503), its claim is replaced by another request's (the
+    # first claim lapsed and another request claimed the key): the 503 must not release that one.
+    h = {**api.a, "Idempotency-Key": "plan-own"}
+    body = job_body(4)
+    first, record = _claim_taken_in_flight(api, body, h)
+    assert_problem(first, 503, "worker_timeout")
     assert api.redis.hgetall(record).get("claim") == "another-request"
     assert_problem(api.client.post("/v1/plans", json=body, headers=h), 409, "idempotent_request_in_flight")
 
@@ -389,18 +401,8 @@ def test_an_answer_is_stored_only_over_its_own_idempotency_claim(api, monkeypatc
     monkeypatch.setattr(plans, "call_worker", answer)
     h = {**api.a, "Idempotency-Key": "plan-complete-own"}
     body = job_body(5)
-    pattern = api.keys.idempotency("*", "*")
-    first: dict = {}
-    t = threading.Thread(target=lambda: first.setdefault("r", api.client.post("/v1/plans", json=body, headers=h)))
-    t.start()
-    record = None
-    while record is None and t.is_alive():
-        record = next(iter(api.redis.scan_iter(match=pattern)), None)
-    assert record is not None and api.redis.hget(record, "status") == "pending"
-    api.redis.hset(record, "claim", "another-request")
-    swapped.set()
-    t.join()
-    assert first["r"].status_code == 200, first["r"].text
+    first, record = _claim_taken_in_flight(api, body, h, then=swapped.set)
+    assert first.status_code == 200, first.text
     stored = api.redis.hgetall(record)
     assert stored.get("status") == "pending" and stored.get("claim") == "another-request", stored
     assert_problem(api.client.post("/v1/plans", json=body, headers=h), 409, "idempotent_request_in_flight")
