@@ -56,7 +56,7 @@ from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks, streaming_buffer_bytes
 from ckptconv.storage.digests import WrittenBlocks
-from ckptconv.storage.local import ensure_parent_dir
+from ckptconv.storage.local import check_free_space, ensure_parent_dir, release_reserve, reserve_space
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
 
 # A chunked dataset's metadata: its object header with attributes (about 1 KiB) and its chunk
@@ -64,6 +64,10 @@ from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE,
 META_BYTES_PER_CHUNKED_DATASET = 8 << 10
 # Below this much data the metadata is left where HDF5 puts it: reading a few blocks back is cheap.
 HASHED_META_MIN_DATA = 64 << 20
+# What the file may hold besides the data, for its space check and reservation: HDF5's metadata
+# (a block of up to META_BLOCK_BASE, headers, attributes and chunk indexes per entry).
+META_RESERVE_BASE = META_BLOCK_BASE
+META_RESERVE_PER_ENTRY = 16 << 10
 
 
 class CsH5Sink(CerebrasSink):
@@ -122,6 +126,7 @@ class CsH5Sink(CerebrasSink):
         # A local output's block digest, hashed as its bytes are written (see _hash_as_written).
         self._written: WrittenBlocks | None = None
         self._read_fd = -1
+        self._reserved = False
 
     def _on_h5_thread(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` on the sink's own HDF5 thread and wait for it.
@@ -160,6 +165,10 @@ class CsH5Sink(CerebrasSink):
             self._tmp_path = os.path.join(self._tmp_dir, "checkpoint.mdl")
         # A sink dropped without commit() or abort() (or an interpreter exiting) still cleans up.
         self._finalizer = weakref.finalize(self, _remove_temp, self._tmp_path, self._tmp_dir)
+        # Before HDF5 writes a byte: once a write of its own has failed for want of space, h5py
+        # crashes the process when the objects of that file are closed or collected (the failed
+        # flush leaves HDF5's state broken), so a full disk must be met here, with a typed error.
+        check_free_space(os.path.dirname(self._tmp_path), self._output_bound(), self.uri)
         self._on_h5_thread(self._create, root_spec_text(spec))
         if self.chunking == "contiguous":
             self._regions = self._on_h5_thread(self._allocate)
@@ -202,6 +211,29 @@ class CsH5Sink(CerebrasSink):
         self._file.flush()
         return regions
 
+    def _output_bound(self) -> int:
+        """Most bytes the file can take on local disk: the data where it is written here (raw, or
+        LZ4 frames of at most raw size plus 1/255, plus each chunk's index entry, at most 1/64
+        for chunks of 4 KiB or more) and HDF5's metadata."""
+        data = 0
+        if not self.skeleton and not (self.chunking == "contiguous" and self._tmp_dir is not None):
+            data = sum(e.nbytes for e in self._todo)
+        return data + data // 255 + data // 64 + META_RESERVE_BASE + META_RESERVE_PER_ENTRY * len(self._todo)
+
+    def _reserve_space(self) -> None:
+        """Allocate the file's blocks before HDF5 writes them (see ``reserve_space``): the space
+        check in ``_begin`` leaves the disk to fill up meanwhile, this does not. A skeleton or a
+        streamed contiguous file holds little besides the datasets' regions, which are not
+        written here: no reservation (its metadata may sit after them)."""
+        if self.skeleton or (self.chunking == "contiguous" and self._tmp_dir is not None):
+            return
+        assert self._tmp_path is not None
+        fd = os.open(self._tmp_path, os.O_WRONLY)
+        try:
+            self._reserved = reserve_space(fd, self._output_bound(), self.uri)
+        finally:
+            os.close(fd)
+
     def _hash_as_written(self) -> bool:
         """A local output of the fast or contiguous layout gets its block digest as it is written:
         we write (or hand HDF5) nearly every byte, and only the blocks holding HDF5's own metadata
@@ -227,6 +259,7 @@ class CsH5Sink(CerebrasSink):
             self._file = h5py.File(self._tmp_path, "x", meta_block_size=block)
         else:
             self._file = h5py.File(self._tmp_path, "x")
+        self._reserve_space()
         attrs = self._file.attrs
         attrs["__spec__"] = spec_text
         attrs["__version__"] = np.float64(FORMAT_VERSION)
@@ -278,6 +311,8 @@ class CsH5Sink(CerebrasSink):
         assert self._tmp_path is not None
         self._on_h5_thread(self._finish, self._record_texts())
         self._close_file()  # stops the HDF5 thread
+        if self._reserved:
+            release_reserve(self._tmp_path)
         size = os.path.getsize(self._tmp_path)
         if isinstance(self._placement, StreamedPlacement):
             upload = self._placement.upload

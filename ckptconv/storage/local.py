@@ -17,6 +17,7 @@ Guarantees on top of the :class:`~ckptconv.storage.base.Storage` contract:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import re
@@ -25,7 +26,7 @@ import shutil
 import stat as stat_mod
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckptconv.core.errors import (
     CkptconvError,
@@ -266,6 +267,68 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
         offset += n
+
+
+_NO_SPACE_HINT = "free disk space on that filesystem, or choose a target (or staging directory) on another one"
+
+
+def check_free_space(path: str, nbytes: int, uri: str) -> None:
+    """Refuse, before a byte is written, a file of up to ``nbytes`` that the filesystem holding
+    ``path`` (a directory) has no room for: a typed error now instead of a full disk halfway."""
+    with _os_errors(uri, reading=False):
+        st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise StorageError(
+            f"{uri}: not enough free space: needs up to {nbytes} bytes, {free} free",
+            hint=_NO_SPACE_HINT,
+            uri=uri,
+            errno=errno.ENOSPC,
+        )
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+_fallocate: Any = None
+
+
+def reserve_space(fd: int, nbytes: int, uri: str) -> bool:
+    """Allocate the disk blocks of the first ``nbytes`` of ``fd``'s file without changing its size
+    (``fallocate(FALLOC_FL_KEEP_SIZE)``), so that writes inside them cannot fail for want of space.
+
+    For writers that must not meet a full disk halfway: HDF5 (h5py) crashes the process once
+    a write of its own has failed. False where the call is not available (not Linux, or a
+    filesystem without it); the blocks are given back by :func:`release_reserve`.
+    """
+    global _fallocate
+    if _fallocate is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            _fallocate = fn
+        except (OSError, AttributeError):
+            _fallocate = False
+    if not _fallocate or nbytes <= 0:
+        return False
+    if _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        raise StorageError(
+            f"{uri}: not enough free space for up to {nbytes} bytes ({os.strerror(err)})",
+            hint=_NO_SPACE_HINT,
+            uri=uri,
+            errno=err,
+        )
+    return False  # EOPNOTSUPP and the like: written without a reservation
+
+
+def release_reserve(path: str) -> None:
+    """Give back the blocks :func:`reserve_space` allocated past the end of the finished file:
+    truncating a file to its own size frees them (tmpfs, ext4, XFS)."""
+    with _os_errors(path, reading=False):
+        os.truncate(path, os.path.getsize(path))
 
 
 class LocalStorage(Storage):

@@ -1,0 +1,145 @@
+"""A local target on a filesystem that fills up: a typed ``storage_error``, nothing left behind, and
+the process alive (HDF5 crashed it once a write of its own had failed).
+
+Each conversion runs in a child process, so that a crash fails the test instead of ending pytest.
+The filesystems are small tmpfs mounts: the tests skip where mounting is not permitted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A child that converts, reports how it ended, then collects garbage (where h5py crashed) and lists
+# what the conversion left on the small filesystem.
+CHILD = textwrap.dedent(
+    """
+    import gc, json, os, sys
+    from ckptconv.core.errors import CkptconvError
+    from ckptconv.engine.convert import convert
+
+    source, target, fmt, mount, hook = sys.argv[1:6]
+    if hook == "fill-after-reserve":
+        # Another writer takes the rest of the disk once the sink has begun.
+        from ckptconv.formats import cs_h5_write
+
+        reserve = cs_h5_write.CsH5Sink._reserve_space
+
+        def reserve_then_fill(self):
+            reserve(self)
+            fd = os.open(os.path.join(mount, "filler"), os.O_WRONLY | os.O_CREAT)
+            try:
+                while True:
+                    os.write(fd, b"\\0" * (4 << 10))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+        cs_h5_write.CsH5Sink._reserve_space = reserve_then_fill
+    try:
+        convert(source, target, to=fmt)
+        outcome = {"code": "ok"}
+    except CkptconvError as e:
+        outcome = {"code": e.code, "message": e.message, "hint": e.hint, "errno": e.details.get("errno")}
+    except BaseException as e:
+        outcome = {"code": "untyped " + type(e).__name__, "message": str(e)[:300]}
+    gc.collect()
+    left = sorted(os.path.relpath(os.path.join(d, n), mount) for d, _, names in os.walk(mount) for n in names)
+    print(json.dumps({**outcome, "left": left}))
+    """
+)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``mount(size)``: a fresh tmpfs of that size ("8m"), unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if os.name != "posix" or os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        where = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode(errors='replace').strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 MiB of incompressible 1 MiB tensors (h5py's own LZ4 datasets in the fast layout)."""
+    path = tmp_path_factory.mktemp("disk-full") / "in.safetensors"
+    rng = np.random.default_rng(0)
+    save_file({f"w{i:02d}": np.frombuffer(rng.bytes(1 << 20), dtype=np.float32) for i in range(40)}, str(path))
+    return path
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "CKPTCONV_TRACEBACK": "1"}
+
+
+def _convert_in_child(source: Path, target: Path, fmt: str, mount: Path, hook: str = "none") -> dict:
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, str(source), str(target), fmt, str(mount), hook],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert r.returncode == 0, f"child ended with {r.returncode}: {r.stderr[-2000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fmt", ["cs-h5", "safetensors", "torch"])
+def test_full_disk_is_a_typed_error_and_leaves_nothing(small_fs: Callable[[str], Path], source: Path, fmt: str) -> None:
+    mount = small_fs("8m")
+    out = _convert_in_child(source, mount / "out", fmt, mount)
+    assert out["code"] == "storage_error", out
+    assert "free disk space" in out["hint"], out
+    assert out["left"] == [], out
+
+
+def test_cs_h5_cli_on_a_full_disk_exits_with_storage_error(small_fs: Callable[[str], Path], source: Path) -> None:
+    mount = small_fs("8m")
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptconv", "convert", str(source), str(mount / "out.mdl"), "--to", "cs-h5"],
+        capture_output=True,
+        text=True,
+        env={**_env(), "CKPTCONV_TRACEBACK": "0"},
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "[storage_error]" in r.stderr and "not enough free space" in r.stderr, r.stderr[-2000:]
+    assert [p for p in mount.rglob("*") if p.is_file()] == []
+
+
+def test_cs_h5_disk_filled_by_another_writer_meanwhile(small_fs: Callable[[str], Path], source: Path) -> None:
+    """The space check passes, then the disk fills up: HDF5 still writes only into blocks the sink
+    reserved, so the conversion completes (with the space check alone the child crashed)."""
+    mount = small_fs("48m")
+    out = _convert_in_child(source, mount / "out.mdl", "cs-h5", mount, hook="fill-after-reserve")
+    if out["code"] == "ok":
+        assert {"filler", "out.mdl"} <= set(out["left"]), out
+    else:
+        # Only writers other than HDF5 can still fail (the manifest beside the target), typed.
+        assert out["code"] == "storage_error", out
+        assert out["left"] == ["filler"], out
