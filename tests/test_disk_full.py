@@ -109,7 +109,7 @@ def _convert_in_child(source: Path, target: Path, fmt: str, mount: Path, hook: s
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("fmt", ["cs-h5", "safetensors", "torch"])
+@pytest.mark.parametrize("fmt", ["cs-h5", "safetensors", "torch", "tf"])
 def test_full_disk_is_a_typed_error_and_leaves_nothing(small_fs: Callable[[str], Path], source: Path, fmt: str) -> None:
     mount = small_fs("8m")
     out = _convert_in_child(source, mount / "out", fmt, mount)
