@@ -99,3 +99,22 @@ def test_an_output_entry_is_held_by_its_sha256_or_its_block_digest():
     assert not holds_output(changed, by_sha) and not holds_output(changed, by_blocks)
     assert not holds_output(data[:-1], by_sha)
     assert not holds_output(data, {"size": len(data), "sha256": None})  # nothing to compare: not held
+
+
+def test_a_writers_share_of_a_file_is_the_blocks_it_wrote_whole():
+    # One part of a fan-out: the blocks it wrote whole (the file's last, shorter one too), merged by
+    # the commit with the others' into the digest of one read.
+    data = os.urandom(10 * 1024 + 300)
+    first, second = WrittenBlocks(1024), WrittenBlocks(1024)
+    for at in range(0, 4096, 100):  # pieces that do not follow the blocks
+        first.wrote(at, data[at : min(at + 100, 4096)])
+    first.wrote(4096, data[4096:4600])  # part of a block: someone else writes the rest
+    for at in range(4096, len(data), 700):
+        second.wrote(at, data[at : at + 700])
+    assert sorted(first.hashed(len(data))) == [0, 1, 2, 3]
+    assert sorted(second.hashed(len(data))) == list(range(4, 11))  # block 10: the last, 300 bytes
+    assert 10 not in second.hashed(len(data) + 1)  # not the last block of a longer file: not whole
+    merged = BlockHasher(1024)
+    merged.merge(first.hashed(len(data)))
+    merged.merge(second.hashed(len(data)))
+    assert merged.digest(len(data)) == file_digests(io.BytesIO(data), 1024)[1]

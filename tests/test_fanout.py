@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from ckptconv.core.errors import Cancelled, InvalidRequest, StorageError, TargetExists, VerificationFailed
 from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
+from ckptconv.engine.fanout.split import local_block_size
 from ckptconv.engine.plan import identity_plan
 from ckptconv.engine.run import run_plan
 from ckptconv.formats.base import OutputFile
@@ -33,6 +34,7 @@ from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import OWNER_METADATA
 from ckptconv.storage.digests import holds_output
+from ckptconv.storage.local import LocalStorage
 
 MiB = 1 << 20
 
@@ -88,6 +90,40 @@ def _checksummed(o: OutputFile) -> bool:
     return holds_output(open_storage(o.uri).read_all(o.uri), entry)
 
 
+def _block_digested(outputs: list[OutputFile], expected: list[str]) -> None:
+    """A local fan-out's outputs are the single worker's bytes (``expected``, their sha256s): each
+    data file recorded with the block digest its parts hashed, each other file with its sha256."""
+    assert [_sha(o.uri) for o in outputs] == expected
+    for o, sha in zip(outputs, expected, strict=True):
+        if o.role == "data":
+            assert o.sha256 is None and o.blocks is not None and _checksummed(o), o
+        else:
+            assert o.sha256 == sha, o
+
+
+def _output_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
+    """Every read of a local file from here on: its name and how many bytes (inf: all of them)."""
+    reads: list[tuple[str, float]] = []
+    read_into, open_reader, sha256 = LocalStorage.read_into, LocalStorage.open_reader, LocalStorage.sha256
+
+    def spy_read_into(self, uri, offset, buf):
+        reads.append((Path(uri).name, len(buf)))
+        return read_into(self, uri, offset, buf)
+
+    def spy_open_reader(self, uri):
+        reads.append((Path(uri).name, float("inf")))
+        return open_reader(self, uri)
+
+    def spy_sha256(self, uri):
+        reads.append((Path(uri).name, float("inf")))
+        return sha256(self, uri)
+
+    monkeypatch.setattr(LocalStorage, "read_into", spy_read_into)
+    monkeypatch.setattr(LocalStorage, "open_reader", spy_open_reader)
+    monkeypatch.setattr(LocalStorage, "sha256", spy_sha256)
+    return reads
+
+
 def _uploads(bucket: str) -> list[dict]:
     return boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads", [])
 
@@ -108,12 +144,19 @@ def _uploads(bucket: str) -> list[dict]:
         ("cs-h5", "tf", "ckpt"),
     ],
 )
-def test_fanned_out_local_output_is_the_single_worker_output(source_fmt, to, name, tmp_path: Path) -> None:
+def test_fanned_out_local_output_is_the_single_worker_output(
+    source_fmt, to, name, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = _source(tmp_path, source_fmt)
     expected = _single(source, str(tmp_path / "one" / name), to)
+    reads = _output_reads(monkeypatch)
     result = convert(source, str(tmp_path / "three" / name), to=to, parallelism=3, job_id="fan-local")
-    assert [o.sha256 for o in result.outputs] == expected
-    assert [_sha(o.uri) for o in result.outputs] == expected
+    _block_digested(result.outputs, expected)
+    # Not read back: the parts hashed the blocks they wrote, and the commit composed the block
+    # digest; it reads only the start of the block a tail (a zip's central directory) is in.
+    for o in result.outputs:
+        if o.role == "data":
+            assert sum(n for file, n in reads if file == Path(o.uri).name) < o.blocks["block_size"]
     assert result.extras["parallelism"] == 3 and result.verify["ok"] is True
     assert not (tmp_path / "three" / ".ckptconv-staging").exists()
 
@@ -125,7 +168,7 @@ def test_sharded_fan_out_across_files(to: str, name: str, tmp_path: Path) -> Non
     target = str(tmp_path / "four" / name)
     result = convert(source, target, to=to, shard_size=4 * MiB, parallelism=4, job_id="fs")
     assert len(result.outputs) > 3 and [o.role for o in result.outputs][-1] == "index"
-    assert [o.sha256 for o in result.outputs] == expected == [_sha(o.uri) for o in result.outputs]
+    _block_digested(result.outputs, expected)
 
 
 def test_torch_zip64_members_fan_out_to_the_single_worker_bytes(tmp_path: Path, monkeypatch) -> None:
@@ -136,7 +179,7 @@ def test_torch_zip64_members_fan_out_to_the_single_worker_bytes(tmp_path: Path, 
     source = _source(tmp_path, "safetensors")
     expected = _single(source, str(tmp_path / "one" / "m.bin"), "torch")
     result = convert(source, str(tmp_path / "five" / "m.bin"), to="torch", parallelism=5, job_id="z64")
-    assert [o.sha256 for o in result.outputs] == expected
+    _block_digested(result.outputs, expected)
     loaded = torch.load(result.outputs[0].uri, weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in _tensors().items())
 
@@ -189,6 +232,34 @@ def test_a_fanned_out_jobs_s3_outputs_name_it_from_their_upload_on(
     assert len(copies) == len(published)
     assert all("MetadataDirective" not in k and k["CopySourceIfMatch"] for k in copies)
     assert {storage.user_metadata(uri).get(OWNER_METADATA) for uri in published} == {"fan-job"}
+
+
+def test_a_full_verify_reads_a_local_fan_out_back_and_checks_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptconv.engine.fanout import commit
+
+    source = _source(tmp_path, "safetensors")
+    result = convert(source, str(tmp_path / "full" / "m.mdl"), to="cs-h5", parallelism=2, job_id="lf", verify="full")
+    [data] = result.outputs
+    assert data.sha256 == _sha(data.uri) and data.blocks is not None and _checksummed(data)
+    assert result.verify["ok"] is True
+    # A byte changed behind the parts' backs (after they hashed it) is found, and nothing is published.
+    write_tails = commit.write_tails
+
+    def overwrite(layout, doc, records):
+        with open(doc["files"][0]["uri"], "r+b") as f:
+            f.seek(doc["files"][0]["size"] - 1)
+            last = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([last[0] ^ 1]))
+        return write_tails(layout, doc, records)
+
+    monkeypatch.setattr(commit, "write_tails", overwrite)
+    out = tmp_path / "bad"
+    with pytest.raises(VerificationFailed, match="differ from those written"):
+        convert(source, str(out / "m.mdl"), to="cs-h5", parallelism=2, job_id="lf-bad", verify="full")
+    assert not (out / "m.mdl").exists()
 
 
 def test_a_full_verify_reads_the_upload_back_once_and_checks_its_blocks(tmp_path: Path, s3_bucket) -> None:
@@ -247,14 +318,19 @@ def test_parts_are_balanced_by_bytes_and_tile_every_file() -> None:
         FileLayout("a", 100 * MiB + 64, [Span("big", "big", 64, 100 * MiB)]),
         FileLayout("b", 3 * MiB, [Span("s", "s", 0, 3 * MiB)]),
     ]
-    parts = split_parts(files, 4)
+    block = local_block_size(sum(f.size for f in files), 4)
+    assert block == 7 * MiB  # several blocks a part (16 MiB, the single worker's, for larger outputs)
+    assert local_block_size(1 << 30, 2) == 16 * MiB and local_block_size(10, 8) == MiB
+    parts = split_parts(files, 4, block_size=block)
     assert len(parts) == 4
     sizes = [sum(e - s for _, s, e in p) for p in parts]
-    assert max(sizes) - min(sizes) <= 2 * MiB
+    assert max(sizes) - min(sizes) <= 2 * block
     for fi, f in enumerate(files):
         ranges = sorted((s, e) for p in parts for i, s, e in p if i == fi)
         assert ranges[0][0] == 0 and ranges[-1][1] == f.size
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    # Locally the cuts fall on the block digest's blocks: each block is hashed by the part writing it.
+    assert all(s % block == 0 for p in parts for _, s, _ in p)
     # On S3 the cuts fall on the upload's part grid.
     grid = split_parts(files, 4, part_size=5 * MiB)
     assert all(s % (5 * MiB) == 0 for p in grid for _, s, _ in p)
@@ -404,7 +480,7 @@ def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
     auto = AutoParallelism(part_bytes=5 * MiB, max_parts=8)
     result = convert(source, str(tmp_path / "auto" / "m.safetensors"), parallelism="auto", auto_parallelism=auto)
     assert result.extras["parallelism"] == 3
-    assert [o.sha256 for o in result.outputs] == expected
+    _block_digested(result.outputs, expected)
 
 
 def _objects(result, base: str) -> list[tuple[str, str, dict]]:
@@ -481,8 +557,7 @@ def test_a_layout_conversion_to_torch_shards_fans_out_to_the_single_worker_bytes
     assert two.extras["parallelism"] == 3
     assert [o.role for o in two.outputs] == [o.role for o in one.outputs]
     assert len([o for o in two.outputs if o.uri.endswith(".bin")]) > 1
-    assert [_sha(o.uri) for o in two.outputs] == [_sha(o.uri) for o in one.outputs]
-    assert [o.sha256 for o in two.outputs] == [_sha(o.uri) for o in two.outputs]
+    _block_digested(two.outputs, [_sha(o.uri) for o in one.outputs])
     assert two.verify["ok"] is True
 
 
@@ -494,10 +569,11 @@ def test_a_fan_out_that_only_moves_bytes_never_imports_torch(tmp_path: Path) -> 
     source = _source(tmp_path, "safetensors")
     expected = _single(source, str(tmp_path / "one" / "out.mdl"), "cs-h5")
     code = f"""
+import hashlib
 import sys
 from ckptconv.engine.convert import convert
 result = convert({source!r}, {str(tmp_path / "three" / "out.mdl")!r}, to="cs-h5", parallelism=3, job_id="fan-raw")
-print(result.outputs[0].sha256)
+print(hashlib.sha256(open(result.outputs[0].uri, "rb").read()).hexdigest())
 assert "torch" not in sys.modules, "the fan-out imported torch"
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
@@ -506,8 +582,8 @@ assert "torch" not in sys.modules, "the fan-out imported torch"
 
 
 def test_a_cancel_after_the_last_part_is_recorded_publishes_nothing(tmp_path: Path) -> None:
-    # The commit of a local output reads all of it back: a cancel that comes once every part is
-    # recorded still stops the job before anything is published.
+    # A cancel that comes once every part is recorded (while the commit checks the records and
+    # writes the tails) still stops the job before anything is published.
     source = _source(tmp_path, "safetensors")
     out = tmp_path / "out"
 

@@ -129,6 +129,18 @@ class WrittenBlocks:
                     self._broken.add(block)
                 pos += take
 
+    def hashed(self, size: int) -> dict[int, str]:
+        """The sha256 of every block hashed whole as written, by block number, with the ``size``-byte
+        file's last, shorter block when it was written whole too: one writer's share of the file
+        (see :meth:`BlockHasher.merge`)."""
+        last, within = divmod(size, self.block_size)
+        with self._lock:
+            out = dict(self._done)
+            state = self._open.get(last)
+            if within and state is not None and state[0] == within:
+                out[last] = state[1].copy().hexdigest()
+        return out
+
     def hashed_bytes(self) -> int:
         """Bytes whose blocks need no read-back (so far)."""
         return len(self._done) * self.block_size

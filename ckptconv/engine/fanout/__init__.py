@@ -15,25 +15,27 @@ flow (all of it inside the job's staging area, under the attempt that runs it, s
    objects, 0-d tensors) written, which leaves each file's *gap* bytes (headers, H5 metadata). A
    local file is created preallocated with its gaps in place; an S3 file gets a multipart upload.
    The bytes of all files are cut into ``parallelism`` parts balanced by bytes (on S3 along the
-   upload's part grid, so each upload part has one writer), never by file or tensor names.
+   upload's part grid, so each upload part has one writer; locally along the blocks of the
+   file's block digest, so each block has one writer), never by file or tensor names.
    ``.fanout/layout.json`` records files, gaps, uploads and the parts' byte ranges.
 2. **parts** (any worker; the job's own worker runs the parts nobody claims): a part reads the
    values whose spans meet its ranges (a value cut by a part boundary is read by both parts),
    checks each against the hash of its source as read (the executor's xxh3 digests), writes its
    bytes with positioned writes (a preallocated file) or as upload parts, and records
-   ``.fanout/part-NNNNN.json``: its ranges with the xxh3 of their bytes, the value digests, and
-   its upload parts' ETags with the sha256 of each block they hold (hashed as they are sent; the
-   block size is the grid's part size, so every block has one writer). A part whose record
+   ``.fanout/part-NNNNN.json``: its ranges with the xxh3 of their bytes, the value digests, the
+   sha256 of each block it wrote (locally each block it wrote whole, hashed right after writing
+   it; on S3 each block of its upload parts, hashed as they are sent, the block size being the
+   grid's part size) and its upload parts' ETags. A part whose record
    exists is never run again; a part is deterministic (same ranges, same bytes), so a
    redelivered or taken-over part rewrites identical bytes.
 3. **commit** (the job's worker, fenced by its attempt): read every part record *from storage*
    (never from a task result), check their count and that their ranges tile every file, merge the
    digests (two parts that computed one value must agree) and compare them with the source's;
    write each file's tail from the CRCs the parts recorded; complete the uploads (create-only).
-   An uploaded file's checksum is its block digest (``sha256_blocks``,
+   Every file's checksum is its block digest (``sha256_blocks``,
    :mod:`ckptconv.storage.digests`), composed from the block hashes of the parts and of the tail
    without reading it back (``verify: full`` reads it back for its sha256 and checks the stored
-   blocks); a local file is read once for its sha256 and the xxh3 of every part's ranges. Then
+   blocks). Then
    stage the manifest and publish as a single-worker run does (the manifest last). A commit run
    twice publishes once: the published manifest carries the job id.
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
-
-import xxhash
 
 from ckptconv.core.errors import VerificationFailed
 from ckptconv.core.fencing import fence
@@ -26,11 +23,8 @@ from ckptconv.engine.staging import _Layout
 from ckptconv.formats import source_class
 from ckptconv.formats.base import OutputFile, TensorSource
 from ckptconv.formats.layout import FileLayout
-from ckptconv.storage.base import Storage
 from ckptconv.storage.digests import BlockHasher
 from ckptconv.storage.part_upload import PartUpload, upload_buffer_bytes
-
-READ_BLOCK = 64 << 20  # the commit's reads: one buffer, reused
 
 
 def _commit(
@@ -75,19 +69,14 @@ def _commit(
         report.mismatches[:0] = conflicts
         report.ok = report.ok and not conflicts
     outputs: list[OutputFile] = []
-    expected = {(fi, s, e): h for record in records for fi, s, e, h in record["ranges"]}
-    tails, tail_parts, tail_blocks = write_tails(layout, doc, records)
-    expected.update(tails)
+    tail_parts, tail_blocks = write_tails(layout, doc, records)
     for fi, described in enumerate(doc["files"]):
         f = FileLayout.from_dict(described)
-        ranges = sorted((s, e) for (i, s, e) in expected if i == fi)
         if described["upload_id"] is None:
-            # A local file is hashed from the page cache, as a single worker's output is.
-            sha256, hashes = _hash_file(storage, f.uri, ranges, cancelled)
-            bad = [r for r in ranges if hashes[r] != expected[(fi, *r)]]
-            if bad:
-                raise VerificationFailed(f"{f.uri}: bytes {bad[0][0]}..{bad[0][1]} differ from what their part wrote")
-            outputs.append(OutputFile(f.uri, f.size, sha256, "data"))
+            # Its blocks were hashed as its parts wrote them: its block digest, without reading
+            # it back (``verify: full`` reads it, below).
+            blocks = _block_digest(records, fi, f, doc["block_size"], tail_blocks.get(fi, {}))
+            outputs.append(OutputFile(f.uri, f.size, None, "data", blocks=blocks))
             continue
         # An upload's parts were hashed as they went out: its block digest, without reading it back.
         blocks = _block_digest(records, fi, f, doc["part_size"], tail_blocks.get(fi, {}))
@@ -100,7 +89,7 @@ def _commit(
     outputs += write_late_files(layout, doc, records, to)
     outputs += [OutputFile(uri, size, sha, role) for uri, size, sha, role in doc["side_files"]]
     if mode == "full":
-        # Read back once: each uploaded file's sha256, and its stored bytes against the blocks sent.
+        # Read back once: each file's sha256, and its stored bytes against the blocks written.
         outputs = _fill_sha256(storage, outputs, reread=True)
         reopened = source_class(to)(storage, layout.sink_uri)
         try:
@@ -157,25 +146,3 @@ def _block_digest(
         return hasher.to_dict(f.size)
     except ValueError as e:
         raise VerificationFailed(f"{f.uri}: the parts' records do not hash every block once: {e}", uri=f.uri) from e
-
-
-def _hash_file(
-    storage: Storage, uri: str, ranges: list[tuple[int, int]], cancelled: CancelFn | None = None
-) -> tuple[str, dict[tuple[int, int], str]]:
-    """One read of the file: its sha256 and the xxh3 of each of ``ranges`` (which tile it in order);
-    ``cancelled`` is asked between blocks (a large output takes a while)."""
-    sha = hashlib.sha256()
-    out = {}
-    buf = memoryview(bytearray(min(READ_BLOCK, max((e - s for s, e in ranges), default=0))))
-    for s, e in ranges:
-        h = xxhash.xxh3_128()
-        pos = s
-        while pos < e:
-            check_cancelled(cancelled)
-            block = buf[: min(len(buf), e - pos)]
-            storage.read_into(uri, pos, block)  # one block in several ranged GETs at once on S3
-            sha.update(block)
-            h.update(block)
-            pos += len(block)
-        out[(s, e)] = h.hexdigest()
-    return sha.hexdigest(), out

@@ -32,6 +32,7 @@ from ckptconv.formats.layout import FileLayout, Span, span_bytes, value_bytes
 from ckptconv.formats.sharding import WRITE_PIECE_BYTES
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
+from ckptconv.storage.digests import WrittenBlocks
 from ckptconv.storage.local import LocalPatch
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, PartUpload
 
@@ -120,6 +121,7 @@ def run_part(
     steps = {s.out.key: s for s in plan.steps}
     gaps: dict[int, bytes] = {}
     writers: dict[int, Any] = {}
+    local_blocks: dict[int, WrittenBlocks] = {}  # a local file's blocks, hashed as this part writes them
     digests: dict[str, str] = {}
     read_digests: dict[str, str] = {}
     crcs: dict[str, int] = {}  # the checksums the format records of the values this part computed
@@ -158,6 +160,8 @@ def run_part(
                 if fi not in gaps:
                     gaps[fi] = storage.read_all(_gaps_uri(layout, fi))
                     writers[fi] = _writer(storage, f, doc, held_uri(layout, fi))
+                    if isinstance(writers[fi], LocalPatch):
+                        local_blocks[fi] = WrittenBlocks(doc["block_size"])
                 h = xxhash.xxh3_128()
                 for offset, n, span, at in _pieces(f, start, end):
                     if span is None:
@@ -178,6 +182,8 @@ def run_part(
                         chunk = piece[done : done + WRITE_PIECE_BYTES]
                         writers[fi].write_at(offset + done, chunk)
                         h.update(chunk)
+                        if fi in local_blocks:
+                            local_blocks[fi].wrote(offset + done, chunk)
                     written += n
                     if runner is not None:
                         runner.report(index, tensors, written)
@@ -191,6 +197,8 @@ def run_part(
                     blocks[str(fi)] = w.blocks.hashed()
                 else:
                     w.close(sync=True)
+                    # Its ranges are whole blocks (but where a tail cuts one: the commit hashes that).
+                    blocks[str(fi)] = local_blocks[fi].hashed(files[fi].size)
         except BaseException:
             # Before the lease goes: an upload part still in flight would reach the store after
             # another attempt took the part over.

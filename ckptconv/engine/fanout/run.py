@@ -18,7 +18,7 @@ from ckptconv.engine.fanout.commit import _commit
 from ckptconv.engine.fanout.part import _reading, compute, run_part
 from ckptconv.engine.fanout.records import _adopt, _doc_uri, _gaps_uri, _home, _part_uri, _read_doc
 from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
-from ckptconv.engine.fanout.split import grid_part_size, split_parts
+from ckptconv.engine.fanout.split import grid_part_size, local_block_size, split_parts
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.publish import ConvertResult, _publish, _resume
 from ckptconv.engine.run import fit_uploads, source_facts, verify_mode
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 FANOUT_FORMATS = ("safetensors", "cs-h5", "torch", "tf", "cs-s3")
 POLL_SECONDS = 0.2
+# The layout document's version, part of the plan key: an earlier fan-out of another version (a
+# local one whose parts recorded no blocks) is never adopted.
+LAYOUT_VERSION = 2
 
 
 def _prepare(
@@ -87,6 +90,8 @@ def _prepare(
     remote = storage.local_path(layout.sink_uri) is None
     total = sum(f.size for f in layouts)
     part_size = grid_part_size(total, parallelism) if remote else None
+    # A local file's block digest is composed from the blocks its parts hash as they write them.
+    block_size = None if remote else local_block_size(total, parallelism)
     memory = _part_memory(plan, src, memory_budget, part_size)
     described = []
     for i, (f, gaps) in enumerate(files):
@@ -102,13 +107,14 @@ def _prepare(
             upload_id = upload.upload_id
         described.append({**f.to_dict(), "upload_id": upload_id})
     doc = {
-        "version": 1,
+        "version": LAYOUT_VERSION,
         "plan_key": plan_key,
         "format": to,
         "part_size": part_size,
+        "block_size": block_size,
         "files": described,
         "side_files": [[o.uri, o.size, o.sha256, o.role] for o in side],
-        "parts": [[list(r) for r in p] for p in split_parts(layouts, parallelism, part_size)],
+        "parts": [[list(r) for r in p] for p in split_parts(layouts, parallelism, part_size, block_size)],
         "digests": digests,
         "read_digests": read_digests,
         "late": late,
@@ -151,6 +157,7 @@ def _plan_key(
     }
     facts = {
         "version": __version__,
+        "layout": LAYOUT_VERSION,
         "plan": plan.to_dict(),
         "constants": constants,
         "source": source_facts(src)["files"],

@@ -5,20 +5,21 @@ from __future__ import annotations
 import math
 
 from ckptconv.formats.layout import FileLayout
+from ckptconv.storage.digests import DEFAULT_BLOCK_SIZE
 from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload
 
-LOCAL_UNIT = 1 << 20  # local files are cut anywhere; parts end on a MiB boundary
-MIN_UNITS_PER_PART = 4  # S3: the part grid is made fine enough for this many units per part
+MIN_UNITS_PER_PART = 4  # the part grid (S3) or block size (local) is made fine enough for this many units per part
 
 
-def _units(files: list[FileLayout], part_size: int | None) -> list[tuple[int, int, int]]:
-    """``(file, start, end)`` pieces no part boundary may cut: upload parts on S3, MiB elsewhere;
-    a file's tail is not cut into parts (the commit writes it)."""
+def _units(files: list[FileLayout], part_size: int | None, block_size: int) -> list[tuple[int, int, int]]:
+    """``(file, start, end)`` pieces no part boundary may cut: upload parts on S3, blocks of the
+    block digest elsewhere (each block hashed whole by the one part that writes it); a file's
+    tail is not cut into parts (the commit writes it)."""
     out = []
     for i, f in enumerate(files):
         size = f.written_by_parts
         if part_size is None:
-            bounds = [(s, min(s + LOCAL_UNIT, size)) for s in range(0, size, LOCAL_UNIT)]
+            bounds = [(s, min(s + block_size, size)) for s in range(0, size, block_size)]
         else:
             grid = PartUpload.__new__(PartUpload)  # the grid arithmetic only: no upload, no pool
             grid.part_size = part_size
@@ -33,12 +34,13 @@ def _units(files: list[FileLayout], part_size: int | None) -> list[tuple[int, in
 
 
 def split_parts(
-    files: list[FileLayout], parallelism: int, part_size: int | None = None
+    files: list[FileLayout], parallelism: int, part_size: int | None = None, block_size: int | None = None
 ) -> list[list[tuple[int, int, int]]]:
     """The byte ranges ``[(file, start, end), ...]`` of each part: consecutive units of the files'
-    concatenated bytes, each unit to the part its middle byte falls in, so every part holds about
-    ``total / parallelism`` bytes. Never more parts than units; no part is empty."""
-    units = _units(files, part_size)
+    concatenated bytes (upload parts of ``part_size`` on S3, else blocks of ``block_size``, 16 MiB by default), each
+    unit to the part its middle byte falls in, so every part holds about ``total / parallelism``
+    bytes. Never more parts than units; no part is empty."""
+    units = _units(files, part_size, block_size or DEFAULT_BLOCK_SIZE)
     total = sum(e - s for _, s, e in units)
     count = max(1, min(parallelism, len(units)))
     parts: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
@@ -62,3 +64,10 @@ def grid_part_size(total: int, parallelism: int) -> int:
     want = math.ceil(total / max(1, parallelism * MIN_UNITS_PER_PART))
     size = max(MIN_PART_SIZE, min(DEFAULT_PART_SIZE, want))
     return -(-size // (1 << 20)) << 20
+
+
+def local_block_size(total: int, parallelism: int) -> int:
+    """The block size of a local fan-out's block digest, and so its split's unit: the single
+    worker's (16 MiB), or smaller, whole MiB, when that leaves fewer than several units per part."""
+    want = math.ceil(total / max(1, parallelism * MIN_UNITS_PER_PART))
+    return max(1, min(DEFAULT_BLOCK_SIZE >> 20, -(-want // (1 << 20)))) << 20

@@ -2,10 +2,11 @@
 :mod:`ckptconv.formats.layout`): a file's tail (a zip's central directory, which holds every
 member's CRC-32), and the files a format writes last (a TensorFlow bundle's index).
 
-Locally the commit writes the tail in place. On S3 the upload part the tail starts in cannot be
-sent before the commit, so the part whose range ends at the tail *holds* its bytes of that upload
-part (a staging object of at most one upload part, :class:`HeldUpload`) and the commit sends them
-with the tail as the upload's last part(s).
+Locally the commit writes the tail in place and hashes the blocks of the file's block digest that
+the tail is in (of the block it starts in, the bytes before it are read back: at most one block).
+On S3 the upload part the tail starts in cannot be sent before the commit, so the part whose range
+ends at the tail *holds* its bytes of that upload part (a staging object of at most one upload
+part, :class:`HeldUpload`) and the commit sends them with the tail as the upload's last part(s).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import contextlib
 import hashlib
 from typing import Any
 
-import xxhash
-
 from ckptconv.core.errors import TargetExists, VerificationFailed
 from ckptconv.engine.fanout.records import FANOUT_DIR, _gaps_uri
 from ckptconv.engine.staging import _Layout
@@ -23,6 +22,7 @@ from ckptconv.formats import sink_class
 from ckptconv.formats.base import OutputFile
 from ckptconv.formats.layout import FileLayout, tail_bytes
 from ckptconv.storage.base import Storage
+from ckptconv.storage.digests import BlockHasher
 from ckptconv.storage.local import LocalPatch
 from ckptconv.storage.part_upload import PartUpload
 
@@ -101,12 +101,12 @@ def write_late_files(layout: _Layout, doc: dict[str, Any], records: list[dict[st
 
 def write_tails(
     layout: _Layout, doc: dict[str, Any], records: list[dict[str, Any]]
-) -> tuple[dict[tuple[int, int, int], str], dict[int, list[dict[str, Any]]], dict[int, dict[int, str]]]:
-    """Write the tail of every file that has one: the xxh3 of each, by ``(file, start, end)`` as
-    the parts' ranges are keyed, and the upload parts sent here with the sha256 of their blocks,
-    by file. Two parts that computed one CRC must agree."""
+) -> tuple[dict[int, list[dict[str, Any]]], dict[int, dict[int, str]]]:
+    """Write the tail of every file that has one: the upload parts sent here, by file, and the
+    sha256 of the blocks hashed here (those the tail is in), by file. Two parts that computed one
+    CRC must agree."""
     crcs = merged_checksums(records)
-    written, sent, blocks = {}, {}, {}
+    sent, blocks = {}, {}
     for fi, described in enumerate(doc["files"]):
         f = FileLayout.from_dict(described)
         if f.tail is None:
@@ -115,13 +115,19 @@ def write_tails(
         if missing:
             raise VerificationFailed(f"{f.uri}: no part recorded the CRC-32 of {missing[0]!r}; nothing was published")
         data = tail_bytes(f, layout.storage.read_all(_gaps_uri(layout, fi)), crcs)
-        written[(fi, f.tail, f.size)] = xxhash.xxh3_128(data).hexdigest()
         if described["upload_id"] is None:
             patch = LocalPatch(f.uri)
             try:
                 patch.write_at(f.tail, data)
             finally:
                 patch.close(sync=True)
+            hasher = BlockHasher(doc["block_size"])
+            start = f.tail - f.tail % hasher.block_size
+            before = bytearray(f.tail - start)
+            if before:
+                layout.storage.read_into(f.uri, start, memoryview(before))
+            hasher.add(start, before + data)
+            blocks[fi] = hasher.hashed()
             continue
         upload = PartUpload(
             layout.storage.backend(f.uri), f.uri, part_size=doc["part_size"], upload_id=described["upload_id"]
@@ -133,4 +139,4 @@ def write_tails(
         upload.write_at(start, held + data)
         sent[fi] = upload.flush(f.size)
         blocks[fi] = upload.blocks.hashed()
-    return written, sent, blocks
+    return sent, blocks
