@@ -260,16 +260,16 @@ def run_plan(
     return result
 
 
-def end_unpublished(target: str, job_id: str) -> ConvertResult | None:
+def end_unpublished(target: str, job_id: str) -> dict[str, Any] | None:
     """For a job about to end without publishing in this attempt (cancelled, failed, out of
-    attempts): the result of its publication if an earlier attempt finished it (its manifest, naming
-    the job, is at the target; the worker was lost before recording it), which is then the job's
-    outcome: its output is complete and stays. Otherwise None, once what its attempts left is
-    removed (:func:`discard_staging`). Either way no staging is left."""
+    attempts): the result of its publication (as a job records it) if an earlier attempt finished
+    it (its manifest, naming the job, is at the target; the worker was lost before recording it),
+    which is then the job's outcome: its output is complete and stays. Otherwise None, once what
+    its attempts left is removed (:func:`discard_staging`). Either way no staging is left."""
     target = normalize_uri(target)
     done = published(_layout(open_storage(target), target, None, job_id), job_id)
     discard_staging(target, job_id)
-    return done
+    return done.to_dict() if done is not None else None
 
 
 def stage_manifest(

@@ -211,12 +211,17 @@ class CsH5Sink(CerebrasSink):
         self._file.flush()
         return regions
 
+    def _writes_data_here(self) -> bool:
+        """Whether the values' bytes go into this local file: not for a skeleton (the datasets'
+        regions are filled by others) nor a streamed contiguous file (written to the upload)."""
+        return not self.skeleton and not (self.chunking == "contiguous" and self._tmp_dir is not None)
+
     def _output_bound(self) -> int:
         """Most bytes the file can take on local disk: the data where it is written here (raw, or
         LZ4 frames of at most raw size plus 1/255, plus each chunk's index entry, at most 1/64
         for chunks of 4 KiB or more) and HDF5's metadata."""
         data = 0
-        if not self.skeleton and not (self.chunking == "contiguous" and self._tmp_dir is not None):
+        if self._writes_data_here():
             data = sum(e.nbytes for e in self._todo)
         return data + data // 255 + data // 64 + META_RESERVE_BASE + META_RESERVE_PER_ENTRY * len(self._todo)
 
@@ -225,7 +230,7 @@ class CsH5Sink(CerebrasSink):
         check in ``_begin`` leaves the disk to fill up meanwhile, this does not. A skeleton or a
         streamed contiguous file holds little besides the datasets' regions, which are not
         written here: no reservation (its metadata may sit after them)."""
-        if self.skeleton or (self.chunking == "contiguous" and self._tmp_dir is not None):
+        if not self._writes_data_here():
             return
         assert self._tmp_path is not None
         fd = os.open(self._tmp_path, os.O_WRONLY)

@@ -81,5 +81,4 @@ def cleanup(ctx: JobContext) -> dict[str, Any] | None:
     worker's publication finished (see :func:`end_unpublished`)."""
     if ctx.target is None or ctx.job_id is None:
         return None
-    done = end_unpublished(ctx.target["uri"], ctx.job_id)
-    return done.to_dict() if done is not None else None
+    return end_unpublished(ctx.target["uri"], ctx.job_id)

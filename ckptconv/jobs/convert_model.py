@@ -127,7 +127,7 @@ def cleanup(ctx: JobContext) -> dict[str, Any] | None:
     if ctx.job_id is None:
         return None
     out_dir, _ = _target(ctx)
-    done = end_unpublished(
+    return end_unpublished(
         output_target(
             ctx.source["uri"],
             ctx.options.tgt_fmt,
@@ -138,4 +138,3 @@ def cleanup(ctx: JobContext) -> dict[str, Any] | None:
         ),
         ctx.job_id,
     )
-    return done.to_dict() if done is not None else None
