@@ -651,3 +651,16 @@ def test_a_part_writes_a_local_file_in_pieces_of_the_single_worker_size(tmp_path
     result = convert(source, str(tmp_path / "two" / "out.mdl"), to="cs-h5", parallelism=2, job_id="pieces")
     assert [_sha(o.uri) for o in result.outputs] == expected
     assert sum(sizes) > 8 * MiB and max(sizes) == 1 * MiB
+
+
+def test_a_part_leaves_no_buffers_in_the_pool_when_it_ends(tmp_path: Path) -> None:
+    # A part's process is counted as a single worker's (twice the largest value): the buffer pool
+    # holds at most the largest value while the part runs, and nothing after it, not up to its
+    # default 128 MiB in a worker waiting for its next part.
+    from ckptconv.formats.memory import POOL
+
+    source = _source(tmp_path, "safetensors")
+    POOL.clear()
+    result = convert(source, str(tmp_path / "out" / "model.mdl"), to="cs-h5", parallelism=2, job_id="fan-pool")
+    assert result.extras["parallelism"] == 2 and result.verify["ok"] is True
+    assert POOL.idle_bytes == 0

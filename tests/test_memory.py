@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -75,6 +76,93 @@ def test_a_run_caps_the_idle_buffers_at_its_largest_value_and_empties_the_pool_a
             assert pool.idle_bytes <= 2 * MB
         assert pool.idle_cap == 4 * MB
     assert pool.idle_bytes == 0 and pool.idle_cap == 64 * MB
+
+
+def _span(a: np.ndarray | torch.Tensor) -> tuple[int, int]:
+    start = a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+    return start, start + (a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size())
+
+
+def test_a_freed_buffer_serves_smaller_tensors_side_by_side() -> None:
+    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    big = pool.tensor((8 * MB,), "uint8")
+    start, end = _span(big)
+    del big
+    gc.collect()
+    a = pool.tensor((MB,), "float16")  # 2 MiB
+    b = pool.array(3 * MB)
+    c = pool.tensor((3 * MB // 4,), "float32")  # 3 MiB: with a and b, all of it
+    spans = sorted(_span(x) for x in (a, b, c))
+    assert all(start <= s and e <= end for s, e in spans)  # all three in the freed buffer ...
+    assert all(e <= s for (_, e), (s, _) in itertools.pairwise(spans))  # ... apart
+    assert pool.reused == 3 and pool.fresh_bytes == 8 * MB and pool.idle_bytes == 0
+    d = pool.array(MB)  # no room left: a buffer of its own
+    assert not start <= d.ctypes.data < end and pool.fresh_bytes == 9 * MB
+    del a, c, d
+    gc.collect()
+    assert pool.idle_bytes == 6 * MB  # a's and c's ranges, and d's buffer, held beside the 8 MiB one
+    e = pool.array(5 * MB)  # fits neither free range of the buffer b is in
+    assert not start <= e.ctypes.data < end
+    del b
+    gc.collect()
+    f = pool.array(7 * MB)  # the buffer is whole again
+    assert _span(f)[0] == start
+
+
+def test_a_view_of_a_pooled_array_keeps_its_range_from_being_lent_again() -> None:
+    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    a = pool.array(4 * MB)
+    a.fill(7)
+    view = a.reshape(2, -1)[1]  # numpy's view of a view: a view of the array's base
+    del a
+    gc.collect()
+    other = pool.array(4 * MB)
+    other.fill(1)
+    assert (view == 7).all()
+
+
+def test_the_pool_never_holds_more_than_its_cap_nor_lends_a_live_range_under_any_sizes() -> None:
+    """Random sizes and lifetimes: the live values never overlap, and the memory the pool's
+    buffers take beyond the live values (idle buffers, free ranges of partly lent ones) stays
+    within the cap, including when small values each sit in a large buffer."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(3)
+    cap = 24 * MB
+    pool = BufferPool(max_idle=cap, min_size=MB)
+    live: dict[int, np.ndarray] = {}
+
+    def release(key: int) -> None:
+        a = live.pop(key)
+        assert (a[:: 64 * 1024] == key % 251).all()  # untouched by any other value
+
+    tracemalloc.start()
+    try:
+        for step in range(3000):
+            if live and (len(live) > 12 or rng.random() < 0.45):
+                release(rng.choice(list(live)))
+            else:
+                n = rng.choice([MB, 2 * MB, 3 * MB + 4096 + 7, 8 * MB, 16 * MB, 24 * MB]) - rng.randrange(64)
+                live[step] = pool.array(n)
+                live[step][:: 64 * 1024] = step % 251
+            if step % 500 == 250:
+                with pool.capped(8 * MB):  # a run with a smaller cap: what it places in, and holds
+                    for key in list(live):
+                        release(key)
+                    assert pool.held_bytes <= 8 * MB
+                    live.update((-i, pool.array(MB)) for i in range(1, 4))
+                    for key in live:
+                        live[key][:: 64 * 1024] = key % 251
+                    assert pool.held_bytes <= 8 * MB
+            spans = sorted(_span(v) for v in live.values())
+            assert all(e <= s for (_, e), (s, _) in itertools.pairwise(spans)), step
+            assert pool.held_bytes <= cap and 0 <= pool.idle_bytes <= pool.held_bytes
+            beyond = tracemalloc.get_traced_memory()[0] - sum(v.nbytes for v in live.values())
+            assert beyond <= pool.held_bytes + MB, (step, beyond)
+    finally:
+        tracemalloc.stop()
+    assert pool.reused > 500
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")

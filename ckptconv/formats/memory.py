@@ -9,13 +9,16 @@ Two facts of glibc's allocator decide the peak RSS of a streaming conversion:
   :func:`bound_allocator` fixes the threshold, so every block of a tensor's size is its own
   mapping, returned to the system when freed, and RSS no longer depends on the checkpoint's size.
 - A fresh mapping is zeroed by the kernel and faulted in page by page, which costs about as much
-  as the copy that fills it. :func:`empty_tensor` takes large tensors from :class:`BufferPool`
-  (buffers of finished tensors of the same size) and asks Linux for 2 MiB pages on new ones (one
-  fault per 2 MiB where transparent huge pages are set to ``madvise``, the common default).
+  as the copy that fills it. :func:`empty_tensor` places large tensors in :class:`BufferPool`'s
+  buffers (those of finished tensors, of any size that fits) and asks Linux for 2 MiB pages on
+  new ones (one fault per 2 MiB where transparent huge pages are set to ``madvise``, the common
+  default).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import ctypes
 import logging
@@ -42,6 +45,8 @@ HUGE_PAGE = 2 << 20
 MMAP_THRESHOLD = 4 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt parameter numbers, from glibc's malloc.h
 _MADV_HUGEPAGE = 14
+# Where ranges lent from one buffer start: a cache line, as torch aligns its own allocations.
+_ALIGN = 64
 
 _libc: Any = None
 
@@ -85,46 +90,91 @@ def advise_huge_pages(address: int, length: int) -> None:
         libc.madvise(start, end - start, _MADV_HUGEPAGE)
 
 
-class BufferPool:
-    """Freed tensor buffers, kept for the next tensor of the same byte size.
+class _Block:
+    """A buffer and the ranges of it lent out, sorted by start."""
 
-    A conversion reads tensors of a few recurring sizes (every layer has the same shapes), and a
-    fresh buffer must be zeroed by the kernel before the read fills it: on a 3 GB checkpoint that
-    zeroing cost as much as the copy itself. Handing the buffer of a finished tensor to the next
-    one of its size skips it. A buffer comes back only when the last tensor or array that uses
-    its memory is gone (a finalizer on the numpy view the tensor is built on), so reuse never
-    overwrites a live value; at most ``max_idle`` bytes wait in the pool, the rest go back to
-    the system, so the pool adds a fixed amount to the peak, not one that grows with the checkpoint.
+    __slots__ = ("buf", "era", "held", "lent", "size")
+
+    def __init__(self, buf: np.ndarray, era: int) -> None:
+        self.buf = buf
+        self.era = era  # the pool's era it was allocated in (see ``BufferPool._era``)
+        self.size = buf.nbytes
+        self.lent: list[tuple[int, int]] = []
+        self.held = False  # counted in the pool's ``held_bytes`` (placed in unless retired)
+
+    def gap(self, nbytes: int) -> tuple[int, int] | None:
+        """(size, start) of the smallest free range that fits ``nbytes``, or None."""
+        best = None
+        at = 0
+        for start, end in [*self.lent, (self.size, self.size)]:
+            if start - at >= nbytes and (best is None or start - at < best[0]):
+                best = (start - at, at)
+            at = -(-end // _ALIGN) * _ALIGN
+        return best
+
+
+class BufferPool:
+    """Buffers of finished tensors, carved for the next ones, within a fixed number of bytes.
+
+    A fresh buffer must be zeroed by the kernel before the read fills it: on a 3 GB checkpoint
+    that cost as much as the copy itself. The pool keeps the buffers of finished tensors and lends
+    ranges of them to the next ones: the smallest free range that fits, so a buffer of one size
+    serves the next tensor of that size whole, and a larger one (an embedding's) several smaller
+    tensors side by side. A range is lent again only when the last tensor or array over it is gone
+    (a finalizer on the numpy array the tensor is built on), so a lent range never overlaps a live
+    value.
+
+    Memory: the pool holds at most ``idle_cap`` bytes of buffers, counted whole whether idle or
+    partly lent, so what it keeps resident beyond the live tensors themselves (idle buffers, the
+    free ends and holes of partly lent ones) stays within the cap however the sizes come. A
+    buffer that does not fit goes back to the system when its tensor is gone; one that is held
+    takes the place of smaller idle ones (a larger buffer serves more sizes). A smaller cap (a
+    run with a smaller largest value starting, the last run ending) drops idle buffers at once
+    and retires partly lent ones: nothing is placed in them again, and they stay counted until
+    their last range comes back.
     """
 
     def __init__(self, max_idle: int = 128 << 20, min_size: int = MMAP_THRESHOLD) -> None:
         self.max_idle = max_idle
         self.min_size = min_size
-        self._idle: dict[int, list[np.ndarray]] = {}
-        self._idle_bytes = 0
+        self._blocks: list[_Block] = []  # the buffers held that tensors are placed in (not retired)
+        self._held_bytes = 0
+        self._lent_bytes = 0  # of the held buffers' bytes, those lent to live tensors
         self._caps: list[int] = []  # the caps of the runs in progress (see ``capped``)
         self._lock = threading.Lock()
-        self.reused = 0  # buffers handed out again (for tests and benchmarks)
+        # Ranges whose tensors are gone, waiting for the lock: a finalizer may run on any thread,
+        # including one inside the pool's own lock (a garbage collection it triggered).
+        self._returned: collections.deque[tuple[_Block, int]] = collections.deque()
+        self.reused = 0  # tensors placed in held buffers (for tests and benchmarks)
+        self.fresh_bytes = 0  # bytes of the buffers allocated anew (idem)
+        # How many times the last run in progress ended (or the pool was cleared): a buffer
+        # allocated before and given back after is not held, the pool was emptied for what follows.
+        self._era = 0
 
     @property
     def idle_cap(self) -> int:
-        """The idle bytes allowed now: ``max_idle``, or less while a run has capped it."""
+        """The bytes the pool may hold now: ``max_idle``, or less while a run has capped it."""
         with self._lock:
-            return min([self.max_idle, *self._caps])
+            return self._cap()
+
+    def _cap(self) -> int:
+        return min([self.max_idle, *self._caps])
 
     @contextlib.contextmanager
     def capped(self, nbytes: int) -> Iterator[None]:
-        """Keep at most ``nbytes`` idle while the block runs (the smallest cap of the runs in progress).
+        """Hold at most ``nbytes`` while the block runs (the smallest cap of the runs in progress).
 
         A conversion's memory estimate counts twice its largest value: one alive (read ahead or
-        being written) and one more. Idle buffers are that one more: with tensors of many sizes a
-        pool of ``max_idle`` held up to 128 MiB of buffers of other sizes beside the live ones, over
-        the estimate of any checkpoint whose largest tensor is smaller; capped at the largest value,
-        the pool stays within it. When the last run in progress ends, the pool is emptied.
+        being written) and one more. The pool's buffers are that one more: with tensors of many
+        sizes a pool of ``max_idle`` held up to 128 MiB of buffers of other sizes beside the live
+        ones, over the estimate of any checkpoint whose largest tensor is smaller; capped at the
+        largest value, the pool stays within it. When the last run in progress ends, the pool is
+        emptied.
         """
         with self._lock:
             self._caps.append(max(0, nbytes))
-            self._trim(min([self.max_idle, *self._caps]))
+            self._trim(self._cap())
+        self._drain()
         try:
             yield
         finally:
@@ -134,6 +184,8 @@ class BufferPool:
                     # The last run ended: what follows (its commit, a worker waiting for its next
                     # job) has no use for its buffers.
                     self._trim(0)
+                    self._era += 1
+            self._drain()
 
     def tensor(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """An uninitialized C-contiguous CPU tensor."""
@@ -146,54 +198,121 @@ class BufferPool:
         return torch.from_numpy(self.array(nbytes)).view(tdtype).view(shape)
 
     def array(self, nbytes: int) -> np.ndarray:
-        """An uninitialized 1-D uint8 array of ``nbytes``: large ones from the pool, given back
-        when the last array or tensor over its memory is gone."""
+        """An uninitialized 1-D uint8 array of ``nbytes``: large ones from the pool, their range
+        given back when the last array or tensor over its memory is gone."""
         if nbytes < self.min_size:
             return np.empty(nbytes, dtype=np.uint8)
-        buf = self._take(nbytes)
-        if buf is None:
-            buf = np.empty(nbytes, dtype=np.uint8)
-            advise_huge_pages(buf.ctypes.data, nbytes)
-        lease = buf[:]  # the object the tensor keeps alive; its end returns ``buf``
-        weakref.finalize(lease, self._give_back, buf)
+        with self._lock:
+            block, start = self._place(nbytes)
+        self._drain()
+        if block is None:
+            block = _Block(np.empty(nbytes, dtype=np.uint8), self._era)
+            advise_huge_pages(block.buf.ctypes.data, nbytes)
+            block.lent.append((0, nbytes))
+        # The array the tensor keeps alive, whose end gives the range back. Built on a memoryview,
+        # not as a slice of the buffer: numpy makes a slice of a slice a view of the buffer itself,
+        # so a view of the tensor's array would not keep that array, and its range, alive.
+        lease = np.frombuffer(memoryview(block.buf)[start : start + nbytes], dtype=np.uint8)
+        weakref.finalize(lease, self._give_back, block, start)
         return lease
 
-    def _take(self, nbytes: int) -> np.ndarray | None:
-        with self._lock:
-            free = self._idle.get(nbytes)
-            if not free:
-                return None
-            self._idle_bytes -= nbytes
-            self.reused += 1
-            return free.pop()
+    def _place(self, nbytes: int) -> tuple[_Block | None, int]:
+        """The held buffer and offset of the smallest free range that fits ``nbytes``, lent; or
+        (None, 0) and the caller allocates."""
+        best: tuple[int, int, _Block] | None = None
+        for block in self._blocks:
+            gap = block.gap(nbytes)
+            if gap is not None and (best is None or gap[0] < best[0]):
+                best = (*gap, block)
+        if best is None:
+            self.fresh_bytes += nbytes
+            return None, 0
+        _, start, block = best
+        bisect.insort(block.lent, (start, start + nbytes))
+        self._lent_bytes += nbytes
+        self.reused += 1
+        return block, start
 
-    def _give_back(self, buf: np.ndarray) -> None:
-        n = buf.nbytes
-        with self._lock:
-            cap = min([self.max_idle, *self._caps])
-            # Room is made by dropping buffers of other sizes: the size just freed is the likeliest
-            # to be asked for next (the next layer's same tensor).
-            self._trim(cap - n, keep=n)
-            if self._idle_bytes + n <= cap:
-                self._idle.setdefault(n, []).append(buf)
-                self._idle_bytes += n
+    def _give_back(self, block: _Block, start: int) -> None:
+        self._returned.append((block, start))
+        self._drain()
 
-    def _trim(self, room: int, keep: int | None = None) -> None:
-        """Drop idle buffers (of sizes other than ``keep``) until at most ``room`` bytes stay idle."""
-        for size in list(self._idle):
-            if self._idle_bytes <= room:
+    def _drain(self) -> None:
+        """Take back the ranges whose tensors are gone. Whoever holds the lock when one is
+        returned calls this after letting it go, so none waits past that."""
+        while self._returned:
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                while self._returned:
+                    self._take_back(*self._returned.popleft())
+            finally:
+                self._lock.release()
+
+    def _take_back(self, block: _Block, start: int) -> None:
+        i = bisect.bisect_left(block.lent, (start, -1))
+        _, end = block.lent.pop(i)
+        if not block.held:
+            if not block.lent and block.era == self._era:
+                self._hold(block)
+            return
+        self._lent_bytes -= end - start
+        if not block.lent and block not in self._blocks:
+            # Retired by a smaller cap: it leaves the pool now that nothing uses it.
+            block.held = False
+            self._held_bytes -= block.size
+
+    def _hold(self, block: _Block) -> None:
+        """Hold a buffer no tensor uses any more, if the cap has room for it once idle buffers
+        smaller than it make way; otherwise it goes back to the system with its last reference."""
+        over = self._held_bytes + block.size - self._cap()
+        if over > 0:
+            smaller = sorted((b for b in self._blocks if not b.lent and b.size < block.size), key=lambda b: b.size)
+            if sum(b.size for b in smaller) < over:
+                return
+            for b in smaller:
+                if over <= 0:
+                    break
+                self._drop(b)
+                over -= b.size
+        block.held = True
+        self._blocks.append(block)
+        self._held_bytes += block.size
+
+    def _drop(self, block: _Block) -> None:
+        """Stop placing tensors in ``block``. An idle one leaves the pool and goes back to the
+        system; a partly lent one is retired: it stays counted (its free ranges are resident) until
+        its last range comes back, and then goes."""
+        self._blocks.remove(block)
+        if not block.lent:
+            block.held = False
+            self._held_bytes -= block.size
+
+    def _trim(self, room: int) -> None:
+        """Place tensors in at most ``room`` bytes of buffers, and hold no more than that once the
+        partly lent ones have come back: idle buffers go first, then partly lent ones retire."""
+        placeable = sum(b.size for b in self._blocks)
+        for block in sorted(self._blocks, key=lambda b: (bool(b.lent), b.size)):
+            if self._held_bytes <= room or placeable <= room:
                 break
-            if size != keep:
-                self._idle_bytes -= size * len(self._idle.pop(size))
+            self._drop(block)
+            placeable -= block.size
 
     def clear(self) -> None:
         with self._lock:
-            self._idle.clear()
-            self._idle_bytes = 0
+            self._trim(0)
+            self._era += 1
+        self._drain()
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the buffers held, idle or partly lent (at most ``idle_cap``)."""
+        return self._held_bytes
 
     @property
     def idle_bytes(self) -> int:
-        return self._idle_bytes
+        """The bytes of the held buffers that no live tensor uses."""
+        return self._held_bytes - self._lent_bytes
 
 
 POOL = BufferPool()

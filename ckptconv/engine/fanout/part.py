@@ -29,6 +29,7 @@ from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.engine.staging import _layout
 from ckptconv.formats.base import TensorSource
 from ckptconv.formats.layout import FileLayout, Span, span_bytes, value_bytes
+from ckptconv.formats.memory import POOL
 from ckptconv.formats.sharding import WRITE_PIECE_BYTES
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
@@ -134,11 +135,13 @@ def run_part(
     def hashed_as_read(key: str, value: Any) -> None:
         read_digests[key] = value_digest(value)
 
+    largest = max((sizes.get(k, 0) for k in keys), default=0)
     # A part writes the bytes of its values: a source that can read tensors as bytes does (a part
-    # that only moves bytes never imports torch), as the single-worker executor does.
-    with src.reading_raw(True):
+    # that only moves bytes never imports torch), as the single-worker executor does. Its estimate
+    # is the plan's, as a single worker's: the buffer pool holds no more than the largest value
+    # (formats/memory.py), and nothing once the part is done.
+    with src.reading_raw(True), POOL.capped(max(largest, plan.largest_entry_bytes())):
         memory = doc.get("memory") or {}
-        largest = max((sizes.get(k, 0) for k in keys), default=0)
         fetcher = Prefetcher(
             src,
             keys,
