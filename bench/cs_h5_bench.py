@@ -8,6 +8,7 @@ ratios compare like with like on a noisy machine:
 - safetensors -> cs-h5 (our safetensors source, our H5 sink; fsync on commit),
 - cs-h5 -> safetensors (our H5 source, our safetensors sink),
 - cs-h5 read only (every tensor materialized, then dropped),
+- the same H5 write with LZ4 chunks (``compression="lz4"``),
 - the same H5 write with h5py's automatic chunks (``chunking="h5py"``), as cstorch writes it.
 
 Figures exclude interpreter start-up and imports (printed separately). Page caches are dropped
@@ -69,6 +70,8 @@ def child(args: list[str]) -> None:
     case, src, dst = args[0], args[1], args[2]
     if case == "st2h5":
         _convert("safetensors", src, "cs-h5", dst, {})
+    elif case == "st2h5-lz4":
+        _convert("safetensors", src, "cs-h5", dst, {"compression": "lz4"})
     elif case == "st2h5-h5py":
         _convert("safetensors", src, "cs-h5", dst, {"chunking": "h5py"})
     elif case == "h52st":
@@ -125,15 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(2 * _numel(s) for _, s in llama_shapes(size))
     me = [sys.executable, "-m", "bench.cs_h5_bench", "--child"]
     mdl, mdl2, st = work / "bench.mdl", work / "bench-h5py.mdl", work / "bench-st"
+    lz4 = work / "bench-lz4.mdl"
     cases = [
         ("cp (baseline)", ["cp", str(shard), str(work / "copy.bin")], [work / "copy.bin"]),
         ("safetensors -> cs-h5", [*me, "st2h5", str(index), str(mdl)], []),
         ("cs-h5 -> safetensors", [*me, "h52st", str(mdl), str(st)], [st]),
         ("cs-h5 read only", [*me, "h5read", str(mdl), "-"], []),
+        ("safetensors -> cs-h5 (LZ4 chunks)", [*me, "st2h5-lz4", str(index), str(lz4)], [lz4]),
     ]
     if not args.skip_h5py:
         cases.append(("safetensors -> cs-h5 (h5py chunks)", [*me, "st2h5-h5py", str(index), str(mdl2)], [mdl2]))
-    for p in (mdl, mdl2, st, work / "copy.bin"):
+    for p in (mdl, mdl2, lz4, st, work / "copy.bin"):
         _remove(p)
     dropped = drop_caches()
     results: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{rss / 1e6 if rss else 0:>7.0f}MB {imp:>7.2f}s"
         )
     print(f"RSS target (2 x largest tensor + 300 MB): {(2 * largest + 300e6) / 1e6:.0f} MB")
-    for p in (mdl, mdl2, st, work / "copy.bin"):
+    for p in (mdl, mdl2, lz4, st, work / "copy.bin"):
         _remove(p)
     return 0
 

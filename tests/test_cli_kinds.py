@@ -177,3 +177,22 @@ def test_original_switches_set_the_models_values() -> None:
     args = build_parser().parse_args([*COMMANDS["convert-model"], "--no-fold-mup", "--hf-shard-size", "2GB"])
     options = kind_options(args, "convert-model")
     assert options.fold_mup is False and options.hf_shard_size == "2GB"
+
+
+def test_h5_compression_flag_chooses_the_h5_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import h5py
+    from safetensors.torch import save_file
+
+    src = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.zeros(512, 1024), "b": torch.arange(16, dtype=torch.float32)}, src)
+    base = ["convert", src, "--to", "cs-h5", "--no-progress"]
+    assert main([*base[:2], str(tmp_path / "a.mdl"), *base[2:]]) == 0
+    assert main([*base[:2], str(tmp_path / "b.mdl"), *base[2:], "--h5-compression", "lz4"]) == 0
+    with h5py.File(tmp_path / "a.mdl", "r") as a, h5py.File(tmp_path / "b.mdl", "r") as b:
+        for name in ("w", "b"):
+            assert a[name].chunks is None and a[name].id.get_create_plist().get_nfilters() == 0
+            assert b[name].chunks is not None and b[name].id.get_create_plist().get_filter(0)[0] == 32004
+        assert b["w"].id.get_storage_size() < a["w"].id.get_storage_size() / 100  # zeros compress
+    # Another target format has no H5 layout: refused, typed.
+    assert main(["convert", src, str(tmp_path / "c"), "--to", "safetensors", "--h5-compression", "lz4"]) == 2
+    assert "h5_compression applies to cs-h5 outputs" in capsys.readouterr().err

@@ -48,6 +48,7 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
+from ckptconv.formats import cs_h5_contiguous
 from ckptconv.formats.base import Entry, OpaqueObject
 from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
 from ckptconv.formats.cs_h5_chunks import lz4_decode_into, lz4_encode, slab_chunk_shape
@@ -243,7 +244,14 @@ def test_vector_1_dtypes_and_layout(tmp_path):
         },
         "global_step": 10,
     }
-    save(out, tree)
+    # The default layout: contiguous, no filter (§1.12: the loader reads any layout).
+    save(tmp_path / "contiguous.mdl", tree)
+    assert_same_tree(describe(reload(tmp_path / "contiguous.mdl")), describe(tree))
+    contiguous = h5_layout(str(tmp_path / "contiguous.mdl"))
+    for name in ("model.w", "model.b", "model.m", "model.i", "model.e"):
+        assert contiguous[name]["filters"] == [] and contiguous[name]["chunks"] is None, name
+    # With LZ4, as cstorch writes them: the filter on every dataset but the 0-d one.
+    save(out, tree, compression="lz4")
     assert_same_tree(describe(reload(out)), describe(tree))
     layout = h5_layout(str(out))
     assert layout["model.w"]["type"].startswith("int2 ")
@@ -474,7 +482,7 @@ def test_large_tensors_use_slab_chunks(tmp_path):
     zeros = torch.zeros(3, 500, 500)  # 3 MB, compresses well
     odd = torch.randn(3_000_001, generator=g)  # 1-D, uneven split
     tree = {"big": big, "zeros": zeros, "odd": odd}
-    save(out, tree, chunk_bytes=256 << 10)
+    save(out, tree, compression="lz4", chunk_bytes=256 << 10)
     with h5py.File(out, "r") as f:
         assert f["big"].chunks == slab_chunk_shape((1000, 700), 2, 256 << 10) == (125, 700)
         assert f["zeros"].chunks == (1, 125, 500)
@@ -850,6 +858,42 @@ def test_blocks_not_hashed_as_written_are_read_back_while_fsync_waits(tmp_path, 
     (written,) = write_all(sink(out), entries, spec, values)
     monkeypatch.undo()
     assert seen[0] is True  # the file's own fsync (the directory's follows at publication)
+    with open(out, "rb") as f:
+        _, blocks = file_digests(f, DEFAULT_BLOCK_SIZE)
+    assert written.blocks == {"block_size": DEFAULT_BLOCK_SIZE, "sha256": blocks}
+
+
+def test_a_local_contiguous_value_is_written_and_hashed_in_pieces(tmp_path, monkeypatch) -> None:
+    """A value of the contiguous layout goes to the file in pieces of WRITE_PIECE_BYTES, each
+    handed to the block digest right after its write, while it is still in the caches (one write
+    of a whole value cost the kernel more per byte); the digest is still the file's."""
+    from ckptconv.formats.sharding import WRITE_PIECE_BYTES
+    from ckptconv.storage import local
+    from ckptconv.storage.digests import DEFAULT_BLOCK_SIZE, WrittenBlocks, file_digests
+
+    wrote, pwrite_all = WrittenBlocks.wrote, local.pwrite_all
+    hashed: list[int] = []
+    writes: list[int] = []
+
+    def hashing(self, offset, data):  # type: ignore[no-untyped-def]
+        hashed.append(memoryview(data).nbytes)
+        return wrote(self, offset, data)
+
+    def writing(fd, data, offset):  # type: ignore[no-untyped-def]
+        writes.append(memoryview(data).nbytes)
+        return pwrite_all(fd, data, offset)
+
+    monkeypatch.setattr(WrittenBlocks, "wrote", hashing)
+    monkeypatch.setattr(cs_h5_contiguous, "pwrite_all", writing)
+    out = tmp_path / "out.mdl"
+    big = torch.randn(7 * WRITE_PIECE_BYTES // 16 + 3, 2)  # 3.5 MiB and 24 bytes
+    entries, spec, values = entries_from_tree({"big": big, "b": torch.randn(7)})
+    (written,) = write_all(sink(out), entries, spec, values)
+    monkeypatch.undo()
+    with h5py.File(out, "r") as f:
+        assert f["big"].chunks is None  # the default layout
+    rest = big.numel() * 4 - 3 * WRITE_PIECE_BYTES
+    assert sorted(writes) == sorted(hashed) == sorted([WRITE_PIECE_BYTES] * 3 + [rest, 7 * 4])
     with open(out, "rb") as f:
         _, blocks = file_digests(f, DEFAULT_BLOCK_SIZE)
     assert written.blocks == {"block_size": DEFAULT_BLOCK_SIZE, "sha256": blocks}

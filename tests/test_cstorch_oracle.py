@@ -366,8 +366,9 @@ WRITTEN = {
     "values": (w_values, {}),
     "keys": (w_keys, {}),
     "large_default": (w_large, {}),
+    "large_lz4": (w_large, {"compression": "lz4"}),
     # every non-empty tensor through our own LZ4 slab chunker, many small chunks each
-    "large_small_slabs": (w_large, {"small_tensor_bytes": 0, "chunk_bytes": 4096}),
+    "large_small_slabs": (w_large, {"compression": "lz4", "small_tensor_bytes": 0, "chunk_bytes": 4096}),
     "large_h5py_chunks": (w_large, {"chunking": "h5py"}),
     "numpy_scalars": (w_numpy_scalars, {}),
 }

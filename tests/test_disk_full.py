@@ -31,6 +31,7 @@ CHILD = textwrap.dedent(
     from ckptconv.engine.convert import convert
 
     source, target, fmt, mount, hook = sys.argv[1:6]
+    fmt, _, compression = fmt.partition("+")  # cs-h5+lz4: the LZ4-chunked layout
     if hook == "fill-after-reserve":
         # Another writer takes the rest of the disk once the sink has begun.
         from ckptconv.formats import cs_h5_write
@@ -50,7 +51,7 @@ CHILD = textwrap.dedent(
 
         cs_h5_write.CsH5Sink._reserve_space = reserve_then_fill
     try:
-        convert(source, target, to=fmt)
+        convert(source, target, to=fmt, h5_compression=compression or "none")
         outcome = {"code": "ok"}
     except CkptconvError as e:
         outcome = {"code": e.code, "message": e.message, "hint": e.hint, "errno": e.details.get("errno")}
@@ -86,7 +87,7 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 MiB of incompressible 1 MiB tensors (h5py's own LZ4 datasets in the fast layout)."""
+    """40 MiB of incompressible 1 MiB tensors (h5py's own LZ4 datasets in the LZ4 layout)."""
     path = tmp_path_factory.mktemp("disk-full") / "in.safetensors"
     rng = np.random.default_rng(0)
     save_file({f"w{i:02d}": np.frombuffer(rng.bytes(1 << 20), dtype=np.float32) for i in range(40)}, str(path))
@@ -109,7 +110,7 @@ def _convert_in_child(source: Path, target: Path, fmt: str, mount: Path, hook: s
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("fmt", ["cs-h5", "safetensors", "torch", "tf"])
+@pytest.mark.parametrize("fmt", ["cs-h5", "cs-h5+lz4", "safetensors", "torch", "tf"])
 def test_full_disk_is_a_typed_error_and_leaves_nothing(small_fs: Callable[[str], Path], source: Path, fmt: str) -> None:
     mount = small_fs("8m")
     out = _convert_in_child(source, mount / "out", fmt, mount)
@@ -132,14 +133,27 @@ def test_cs_h5_cli_on_a_full_disk_exits_with_storage_error(small_fs: Callable[[s
     assert [p for p in mount.rglob("*") if p.is_file()] == []
 
 
-def test_cs_h5_disk_filled_by_another_writer_meanwhile(small_fs: Callable[[str], Path], source: Path) -> None:
+@pytest.mark.parametrize("fmt", ["cs-h5", "cs-h5+lz4"])
+def test_cs_h5_disk_filled_by_another_writer_meanwhile(small_fs: Callable[[str], Path], source: Path, fmt: str) -> None:
     """The space check passes, then the disk fills up: HDF5 still writes only into blocks the sink
     reserved, so the conversion completes (with the space check alone the child crashed)."""
     mount = small_fs("48m")
-    out = _convert_in_child(source, mount / "out.mdl", "cs-h5", mount, hook="fill-after-reserve")
+    out = _convert_in_child(source, mount / "out.mdl", fmt, mount, hook="fill-after-reserve")
     if out["code"] == "ok":
         assert {"filler", "out.mdl"} <= set(out["left"]), out
     else:
         # Only writers other than HDF5 can still fail (the manifest beside the target), typed.
         assert out["code"] == "storage_error", out
         assert out["left"] == ["filler"], out
+
+
+def test_a_contiguous_output_needs_no_room_for_lz4_frames(small_fs: Callable[[str], Path], source: Path) -> None:
+    """40 MiB of data and HDF5's metadata fit in 42 MiB uncompressed; the LZ4 layout's bound (its
+    frames and chunk indexes, another 0.8 MiB) does not, and is refused before HDF5 writes."""
+    mount = small_fs("42m")
+    out = _convert_in_child(source, mount / "out.mdl", "cs-h5", mount)
+    assert out["code"] == "ok" and "out.mdl" in out["left"], out
+    (mount / "out.mdl").unlink()
+    (mount / "out.mdl.manifest.json").unlink()
+    out = _convert_in_child(source, mount / "lz4.mdl", "cs-h5+lz4", mount)
+    assert out["code"] == "storage_error" and out["left"] == [], out

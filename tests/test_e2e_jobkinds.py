@@ -251,3 +251,22 @@ def test_convert_to_tensorflow(service: Service, data: Path) -> None:
         assert {k: src.read(k) for k in tensors}.keys() == tensors.keys()
         for k, v in tensors.items():
             assert torch.equal(src.read(k), v)
+
+
+def test_convert_h5_compression_option(service: Service, data: Path) -> None:
+    """options.h5_compression lz4: LZ4-chunked datasets; the default: contiguous ones; with
+    parallelism > 1 refused at submission (a compressed file cannot be laid out up front)."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(512, 1024), "b": torch.arange(16, dtype=torch.float32)}, data / "model.safetensors")
+    src = str(data / "model.safetensors")
+    plain = run(service, src, str(data / "plain.mdl"), to="cs-h5")
+    packed = run(service, src, str(data / "lz4.mdl"), to="cs-h5", options={"h5_compression": "lz4"})
+    assert plain["state"] == packed["state"] == "succeeded", (plain.get("error"), packed.get("error"))
+    with h5py.File(data / "plain.mdl", "r") as a, h5py.File(data / "lz4.mdl", "r") as b:
+        for name in ("w", "b"):
+            assert a[name].chunks is None and a[name].id.get_create_plist().get_nfilters() == 0
+            assert b[name].chunks is not None and b[name].id.get_create_plist().get_filter(0)[0] == 32004
+    assert packed["result"]["outputs"][0]["size"] < plain["result"]["outputs"][0]["size"] / 10
+    with service.client() as c, pytest.raises(InvalidRequest, match="written by one worker"):
+        c.submit(src, str(data / "fanned.mdl"), to="cs-h5", options={"h5_compression": "lz4", "parallelism": 2})

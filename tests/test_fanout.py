@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
+import h5py
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -69,9 +70,8 @@ def _source(tmp: Path, fmt: str) -> str:
 
 
 def _single(source: str, target: str, to: str, **sink_options: object) -> list[str]:
-    """What one worker writes (the contiguous H5 layout: the one fan-out writes)."""
-    if to == "cs-h5":
-        sink_options = {"chunking": "contiguous", **sink_options}
+    """What one worker writes, with the default options (for cs-h5: the contiguous layout, the one
+    fan-out writes)."""
     src = open_source(source)
     try:
         result = run_plan(identity_plan(src.entries(), src.spec), src, to=to, target=target, sink_options=sink_options)
@@ -481,6 +481,25 @@ def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
     result = convert(source, str(tmp_path / "auto" / "m.safetensors"), parallelism="auto", auto_parallelism=auto)
     assert result.extras["parallelism"] == 3
     _block_digested(result.outputs, expected)
+
+
+def test_an_lz4_h5_output_is_written_by_one_process(tmp_path: Path) -> None:
+    """LZ4 chunks take the room they compress to: no layout up front, so no fan-out. A count over
+    1 is refused before anything is written; "auto" picks 1."""
+    source = _source(tmp_path, "safetensors")
+    lz4 = {"compression": "lz4"}
+    assert resolve_parallelism("auto", 1 << 50, "cs-h5", sink_options=lz4) == 1
+    with pytest.raises(InvalidRequest, match="offsets are not known up front") as refused:
+        convert(source, str(tmp_path / "two" / "m.mdl"), parallelism=2, h5_compression="lz4")
+    assert "parallelism 1" in (refused.value.hint or "")
+    assert not (tmp_path / "two").exists() or list((tmp_path / "two").rglob("*")) == []
+    auto = AutoParallelism(part_bytes=5 * MiB, max_parts=8)
+    result = convert(
+        source, str(tmp_path / "auto" / "m.mdl"), parallelism="auto", auto_parallelism=auto, h5_compression="lz4"
+    )
+    assert "parallelism" not in result.extras
+    with h5py.File(result.target, "r") as f:
+        assert all(f[k].chunks is not None for k in f if f[k].size > 1)
 
 
 def _objects(result, base: str) -> list[tuple[str, str, dict]]:

@@ -69,8 +69,7 @@ def single_worker(bucket: str, tmp_path_factory: pytest.TempPathFactory):
 def _single_worker_sha256(source: str, target: str, to: str) -> list[str]:
     src = open_source(source)
     try:
-        options = {"chunking": "contiguous"} if to == "cs-h5" else {}
-        result = run_plan(identity_plan(src.entries(), src.spec), src, to=to, target=target, sink_options=options)
+        result = run_plan(identity_plan(src.entries(), src.spec), src, to=to, target=target)
     finally:
         src.close()
     return [hashlib.sha256(open_storage(o.uri).read_all(o.uri)).hexdigest() for o in result.outputs]

@@ -79,8 +79,7 @@ def test_streamed_h5_is_the_local_layout_byte_for_byte(s3_bucket, tmp_path, smal
     assert _uploads(s3_bucket) == []
 
     local = tmp_path / "local.mdl"
-    with SafetensorsSource(open_storage(str(st)), str(st)) as src:
-        copy_checkpoint(src, CsH5Sink(open_storage(str(local)), str(local), chunking="contiguous"))
+    convert(str(st), str(local))  # the local default: the same layout
     streamed = open_storage(uri).read_all(uri)
     assert len(streamed) > 15 * MiB  # several parts of 5 MiB
     assert streamed == local.read_bytes()
@@ -132,7 +131,7 @@ def test_objects_and_values_land_in_the_metadata_parts(s3_bucket, tmp_path, smal
     uri = f"s3://{s3_bucket}/tree.mdl"
     local = tmp_path / "tree.mdl"
     write_all(CsH5Sink(open_storage(uri), uri), entries, spec, values)
-    write_all(CsH5Sink(open_storage(str(local)), str(local), chunking="contiguous"), entries, spec, values)
+    write_all(CsH5Sink(open_storage(str(local)), str(local)), entries, spec, values)
     assert open_storage(uri).read_all(uri) == local.read_bytes()
     with CsH5Source(open_storage(uri), uri) as src:
         assert torch.equal(src.read("model.w"), tree["model"]["w"])
@@ -177,12 +176,27 @@ def test_aborted_sink_aborts_its_upload(s3_bucket, small_parts):
     assert list(open_storage(uri).list(f"s3://{s3_bucket}/")) == []
 
 
-def test_local_targets_keep_the_chunked_layout(tmp_path: Path):
-    out = tmp_path / "x.mdl"
-    entries, spec, values = entries_from_tree({"w": torch.randn(600, 600)})
-    write_all(CsH5Sink(open_storage(str(out)), str(out)), entries, spec, values)
-    with h5py.File(out, "r") as f:
-        assert f["w"].chunks is not None
+def test_one_layout_local_or_s3_and_lz4_chunks_only_when_asked(s3_bucket, tmp_path: Path):
+    """The default layout is contiguous for a local target too; h5_compression lz4 gives LZ4
+    chunks, on S3 as well (built whole in scratch, uploaded at commit)."""
+    st = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(600, 600), "z": torch.zeros(512, 1024)}, str(st))
+    convert(str(st), str(tmp_path / "x.mdl"))
+    with h5py.File(tmp_path / "x.mdl", "r") as f:
+        for name in ("w", "z"):
+            assert f[name].chunks is None and f[name].id.get_create_plist().get_nfilters() == 0, name
+    uri = f"s3://{s3_bucket}/lz4.mdl"
+    for out in (str(tmp_path / "lz4.mdl"), uri):
+        assert convert(str(st), out, h5_compression="lz4").verify["ok"] is True
+    fetched = tmp_path / "fetched.mdl"
+    fetched.write_bytes(open_storage(uri).read_all(uri))
+    assert _uploads(s3_bucket) == []
+    for path in (tmp_path / "lz4.mdl", fetched):
+        with h5py.File(path, "r") as f:
+            for name in ("w", "z"):
+                assert f[name].chunks is not None and f[name].id.get_create_plist().get_filter(0)[0] == 32004
+            assert f["z"].id.get_storage_size() < f["z"].nbytes / 100  # zeros compress
+            assert np.array_equal(f["z"][()], np.zeros((512, 1024), np.float32))
 
 
 # --- sequential outputs (safetensors, torch zip): the same part uploads, several in flight ---------

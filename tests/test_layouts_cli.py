@@ -211,3 +211,40 @@ def test_convert_model_options_take_dpo_formats() -> None:
     for bad in ({"tgt_fmt": "hf-dpo"}, {"tgt_fmt": "cs-3.1-dpo"}, {"model": "nope"}):
         with pytest.raises(ValidationError):
             ConvertModelOptions(**{"model": "dpo", "src_fmt": "hf", "tgt_fmt": "cs-2.9-dpo", **bad})
+
+
+def _lz4_datasets(path: Path) -> dict[str, bool]:
+    """Every numeric dataset of a cs-h5 file with more than one element: LZ4-chunked or not."""
+    import h5py
+
+    found: dict[str, bool] = {}
+
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset) and obj.size > 1:
+            plist = obj.id.get_create_plist()
+            found[name] = obj.chunks is not None and plist.get_nfilters() == 1 and plist.get_filter(0)[0] == 32004
+
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+    return found
+
+
+def test_h5_compression_of_a_model_conversion(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--h5-compression lz4 on convert-model and on convert's model form: LZ4 chunks; without it, contiguous."""
+    base = ["--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", "--no-progress"]
+    assert main(["convert-model", str(tiny_llama), str(tmp_path / "a"), *base, "--h5-compression", "lz4"]) == 0
+    assert main(["convert", str(tiny_llama), str(tmp_path / "b"), *base, "--h5-compression", "lz4"]) == 0
+    assert main(["convert-model", str(tiny_llama), str(tmp_path / "c"), *base]) == 0
+    capsys.readouterr()
+    for out, lz4 in (("a", True), ("b", True), ("c", False)):
+        found = _lz4_datasets(tmp_path / out / "model_to_cs-2.9.mdl")
+        assert found and set(found.values()) == {lz4}, (out, found)
+    # A Hugging Face target is no cs-h5 file: refused, typed.
+    cs = tmp_path / "c"
+    back = f"{cs / 'model_to_cs-2.9.mdl'} {tmp_path / 'd'} --model llama --src-fmt cs-2.9 --tgt-fmt hf"
+    rc = main(
+        ["convert-model", *back.split(), "--config", str(cs / "config_to_cs-2.9.yaml"), "--h5-compression", "lz4"]
+    )
+    assert rc == 2 and "h5_compression applies to cs-h5 outputs" in capsys.readouterr().err

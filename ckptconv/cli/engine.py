@@ -20,6 +20,9 @@ from ckptconv.engine.diff import diff_checkpoints
 from ckptconv.formats import FORMATS
 from ckptconv.jobs import LocalSettings
 
+# Options both kinds of `convert` take: one flag, the container form's, read by either form.
+SHARED_OPTIONS = ("h5_compression",)
+
 SHARD_BY_HELP = (
     "shard the TensorFlow output by weight names: one data file per glob pattern (repeat the flag; "
     "'*' also matches '/'), a last file for the rest, e.g. --shard-by 'layer_0/*' --shard-by 'layer_1/*'"
@@ -51,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", "--no-progress-bar", action="store_true", help="no progress bar")
     p.add_argument("--allow-incomplete", action="store_true", help="read a Cerebras H5 without __SUCCESS__")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    model_conversion_arguments(p, required=False)
+    model_conversion_arguments(p, required=False, exclude=SHARED_OPTIONS)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser(
@@ -198,7 +201,9 @@ def _convert_model_form(args: argparse.Namespace) -> int:
         "--no-verify": args.no_verify,
         "--allow-incomplete": args.allow_incomplete,
     }
-    stray = [flags_of("convert", n) for n in given_options(args, "convert")]
+    for option in SHARED_OPTIONS:
+        setattr(args, dest("convert-model", option), getattr(args, dest("convert", option)))
+    stray = [flags_of("convert", n) for n in given_options(args, "convert") if n not in SHARED_OPTIONS]
     stray += [name for name, value in container.items() if value not in (None, False)]
     if stray:
         raise InvalidRequest(

@@ -164,15 +164,16 @@ def add_kind_flags(
     *,
     required: bool = True,
     only: tuple[str, ...] | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> None:
-    """Add a flag for every option of ``kind_name`` (or those in ``only``) to ``parser``.
+    """Add a flag for every option of ``kind_name`` (or those in ``only``, but those in ``exclude``) to ``parser``.
 
     ``required=False`` leaves the model's required options optional on the command line (a command
     with two forms checks them itself).
     """
     kind = get_kind(kind_name)
     for option, info in kind.options.model_fields.items():
-        if only is not None and option not in only:
+        if (only is not None and option not in only) or option in exclude:
             continue
         alias = ALIASES.get((kind_name, option), NO_ALIAS)
         if alias.fixed:

@@ -57,11 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 MODEL_FORM_FLAGS = {"--output-dir": "output_dir", "--dry-run": "dry_run", "--debug": "debug"}
 
 
-def model_conversion_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
+def model_conversion_arguments(p: argparse.ArgumentParser, *, required: bool, exclude: tuple[str, ...] = ()) -> None:
     """The options of a model conversion (the ``convert-model`` kind's), spelled as the Model Zoo's
     ``convert_checkpoint.py convert`` spells them; shared by ``convert-model`` and the model form of
-    ``convert``."""
-    add_kind_flags(p, "convert-model", required=required)
+    ``convert`` (whose container form already has a flag for the options in ``exclude``)."""
+    add_kind_flags(p, "convert-model", required=required, exclude=exclude)
     p.add_argument("--output-dir", help="output directory (default: beside the input)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (keys, recipes, config) and write nothing")
     p.add_argument("--debug", action="store_true", help="print each match (source recipe -> new key) before converting")

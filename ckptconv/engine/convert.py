@@ -28,18 +28,30 @@ from ckptconv.formats.tf_bundle_write import TfSink
 from ckptconv.formats.tf_names import cerebras_keys, tf_name
 from ckptconv.formats.tree import DICT, ODICT, TreeSpec
 
-__all__ = ["convert", "convert_part", "inspect", "plan_conversion"]
+__all__ = ["convert", "convert_part", "h5_compression_options", "inspect", "plan_conversion"]
 
 CEREBRAS_FORMATS = ("cs-h5", "cs-s3")
 
 
-def _sink_options(to: str, shard_size: int | str | None, shard_by: list[str] | None = None) -> dict[str, Any]:
+def _sink_options(
+    to: str, shard_size: int | str | None, shard_by: list[str] | None = None, h5_compression: str | None = None
+) -> dict[str, Any]:
     options: dict[str, Any] = {"shard_size": shard_size} if shard_size is not None else {}
     if shard_by:
         if to != "tf":
             raise InvalidRequest("shard_by (sharding by weight names) applies to TensorFlow outputs (--to tf)")
         options["shard_by"] = list(shard_by)
-    return options
+    return {**options, **h5_compression_options(to, h5_compression)}
+
+
+def h5_compression_options(to: str, h5_compression: str | None) -> dict[str, Any]:
+    """The cs-h5 sink's options for ``h5_compression`` ("none" or None: the contiguous layout;
+    "lz4": the LZ4-chunked one); InvalidRequest for another target format."""
+    if h5_compression in (None, "none"):
+        return {}
+    if to != "cs-h5":
+        raise InvalidRequest(f"h5_compression applies to cs-h5 outputs, not {to}")
+    return {"compression": h5_compression}
 
 
 def with_tf_names(plan: Plan, source_format: str, to: str) -> Plan:
@@ -102,6 +114,7 @@ def convert(
     parallelism: int | str = 1,
     parts: PartRunner | None = None,
     auto_parallelism: AutoParallelism | None = None,
+    h5_compression: str = "none",
 ) -> ConvertResult:
     """Container conversion: every entry of ``source`` written to ``target`` in format ``to``.
 
@@ -111,6 +124,9 @@ def convert(
     lays its files out up front, see :mod:`ckptconv.engine.fanout`), which ``parts`` hands out to workers (default:
     all of them in this process, one after another); ``"auto"`` picks the count from the output's
     size (``auto_parallelism``, see :func:`~ckptconv.engine.fanout.resolve_parallelism`).
+    ``h5_compression="lz4"`` (cs-h5 targets): LZ4-chunked datasets instead of contiguous
+    uncompressed ones; such an output is written by one process (``"auto"`` picks 1, a count over 1
+    is refused).
     """
     to = to or target_format_from_name(target)
     if to is None:
@@ -124,14 +140,14 @@ def convert(
         common: dict[str, Any] = {
             "to": to,
             "target": target,
-            "sink_options": _sink_options(to, shard_size, shard_by),
+            "sink_options": _sink_options(to, shard_size, shard_by, h5_compression),
             "staging": staging,
             "progress": progress,
             "cancelled": cancelled,
             "job_id": job_id,
             "verify": verify,
         }
-        count = resolve_parallelism(parallelism, plan.bytes_total, to, auto_parallelism)
+        count = resolve_parallelism(parallelism, plan.bytes_total, to, auto_parallelism, common["sink_options"])
         if count > 1:
             result = run_fanout(plan, src, parallelism=count, runner=parts, memory_budget=memory_budget, **common)
         else:
@@ -177,6 +193,7 @@ def plan_conversion(
     limit: int | None = 1000,
     memory_budget: int | str | None = None,
     target: str | None = None,
+    h5_compression: str = "none",
 ) -> dict[str, Any]:
     """Dry run: what a container conversion would write, from the source's metadata only.
 
@@ -184,6 +201,7 @@ def plan_conversion(
     count in the memory facts."""
     try:
         check_format(to)
+        options = h5_compression_options(to, h5_compression)
         src = open_source(source, source_format)
     except CkptconvError as e:
         return {"ok": False, "errors": [e.to_problem()]}
@@ -202,7 +220,7 @@ def plan_conversion(
         out = plan.to_dict(source_sizes=sizes, limit=limit)
         out["shards"] = _shard_layout(to, plan, shard_size, target)
         try:
-            out["memory"] = fit_memory(plan, sizes, memory_budget, target or "", to)[0]
+            out["memory"] = fit_memory(plan, sizes, memory_budget, target or "", to, options)[0]
         except CkptconvError as e:
             errors.append(e.to_problem())
         out.update({"ok": not errors, "errors": errors, "source": source_facts(src), "target_format": to})

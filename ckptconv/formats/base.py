@@ -268,6 +268,12 @@ class TensorSink(abc.ABC):
         return streaming_buffer_bytes()
 
     @classmethod
+    def unsplittable(cls, options: dict[str, Any]) -> str | None:
+        """Why an output written with the sink's ``options`` cannot be cut into parts that several
+        processes write (see :mod:`ckptconv.engine.fanout`), or None when it can."""
+        return None
+
+    @classmethod
     def check(cls, entries: Iterable[Entry]) -> None:
         """Refuse, before any data moves (and in dry runs), entries this format cannot hold.
 

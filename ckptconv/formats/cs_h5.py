@@ -10,18 +10,21 @@ Bit-compatible with ``cstorch.save`` / ``cstorch.load`` of cerebras-pytorch 2.10
   every non-0-d dataset), empty datasets whose opaque ``__BYTES__`` attribute holds a dill pickle;
 - scalars, strings, None and links live in their metadata record only.
 
-Writing differs from ``cstorch.save`` in one deliberate way, for speed: tensors larger than
-``small_tensor_bytes`` (1 MiB) are stored in C-contiguous slab chunks of about ``chunk_bytes``
-(1 MiB) that ckptconv LZ4-frames itself and hands to HDF5 whole, instead of h5py's automatic
-chunks (typically 64 KiB, each through the filter pipeline); a chunk that LZ4 would not shrink is
-stored as a raw LZ4 block, as the filter itself does. The real loader reads any chunking (§1.12;
-the oracle tests load such files with cstorch 2.10); ``chunking="h5py"`` reproduces h5py's chunks
-for every dataset. Everything else (attribute names, HDF5 types and dataspaces, filters, JSON
-text) matches the real writer, and small tensors get exactly h5py's chunks.
+Writing differs from ``cstorch.save`` in its layout, for speed. By default (the ``contiguous``
+layout, local and S3 alike) every numeric dataset is stored uncompressed and unchunked, allocated
+when the file is created, which ``cstorch.load`` and h5py read as well (§1.12): every dataset's
+offset is known before the data arrives, so values are positioned writes (or parts of an S3
+upload, or bytes written by several processes of a fan-out) and the output is the same bytes
+however it was written. It gives up the LZ4 filter, rarely a gain on weights.
 
-The ``contiguous`` layout (the default for S3 targets) stores every dataset uncompressed and
-unchunked, which ``cstorch.load`` and h5py read as well; it trades the LZ4 filter (rarely a gain
-on weights) for knowing every dataset's offset before the data arrives.
+With ``compression="lz4"`` (the ``fast`` layout) tensors larger than ``small_tensor_bytes``
+(1 MiB) are stored in C-contiguous slab chunks of about ``chunk_bytes`` (1 MiB) that ckptconv
+LZ4-frames itself and hands to HDF5 whole, instead of h5py's automatic chunks (typically 64 KiB,
+each through the filter pipeline); a chunk that LZ4 would not shrink is stored as a raw LZ4 block,
+as the filter itself does; smaller tensors get exactly h5py's chunks. ``chunking="h5py"``
+reproduces h5py's chunks for every dataset. Everything else (attribute names, HDF5 types and
+dataspaces, filters, JSON text) matches the real writer.
+
 This module reads (``CsH5Source``); the writer (``CsH5Sink``) is ``cs_h5_write``, re-exported here
 so that the format registry names one module.
 """

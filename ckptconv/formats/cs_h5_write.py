@@ -1,8 +1,9 @@
 """Writing Cerebras H5 checkpoints (``CsH5Sink``, format 0.5); the layout is described in ``cs_h5``.
 
-The sink writes tensors as they arrive, in slab chunks that it LZ4-frames itself or, in the
-``contiguous`` layout, uncompressed at offsets planned before the data arrives (streamed to S3 as
-positioned parts); the metadata records and ``__SUCCESS__`` are written at commit.
+The sink writes tensors as they arrive: by default (the ``contiguous`` layout) uncompressed at
+offsets planned before the data arrives (positioned writes into a local file, positioned parts of
+an S3 upload); with LZ4 compression, in slab chunks that it LZ4-frames itself. The metadata
+records and ``__SUCCESS__`` are written at commit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hdf5plugin
 import numpy as np
 
 from ckptconv.core.errors import (
+    InvalidRequest,
     KeyCollision,
     SinkProtocolError,
     TargetExists,
@@ -74,12 +76,15 @@ class CsH5Sink(CerebrasSink):
     """Writes a Cerebras H5 checkpoint, format 0.5, that ``cstorch.load`` 2.10 reads.
 
     Options:
-    - ``chunking``: ``"fast"`` (default for local targets; large slab chunks for tensors over
-      ``small_tensor_bytes``), ``"h5py"`` (h5py's automatic chunks for every dataset, as cstorch
-      writes them; slower) or ``"contiguous"`` (default for S3 targets: uncompressed contiguous
-      datasets allocated up front, see :mod:`ckptconv.formats.cs_h5_contiguous`; an S3 target is
-      then streamed as a multipart upload without a local copy, while the chunked layouts build
-      the whole file on local disk first and upload it at commit);
+    - ``compression``: ``"none"`` (default) or ``"lz4"``: the LZ4-chunked ``"fast"`` layout below,
+      whose chunks' sizes are known only once compressed (so it cannot be fanned out, see
+      :meth:`unsplittable`);
+    - ``chunking``: ``"contiguous"`` (the default without compression, local or S3: uncompressed
+      contiguous datasets allocated up front, see :mod:`ckptconv.formats.cs_h5_contiguous`; an S3
+      target is then streamed as a multipart upload without a local copy), ``"fast"`` (the default
+      with LZ4: large slab chunks for tensors over ``small_tensor_bytes``) or ``"h5py"`` (h5py's
+      automatic chunks for every dataset, as cstorch writes them; slower). The chunked layouts
+      build the whole file on local disk first and upload it at commit for an S3 target;
     - ``part_size`` (16 MiB) and ``concurrency`` (4 parts in flight): the streamed upload;
     - ``chunk_bytes`` (1 MiB), ``small_tensor_bytes`` (1 MiB), ``threads`` (2): the fast path;
     - ``lz4``: ``"auto"`` (default: compress a large chunk only when samples of it compress, since
@@ -101,14 +106,12 @@ class CsH5Sink(CerebrasSink):
 
     def __init__(self, storage: Any, uri: str, **options: Any) -> None:
         super().__init__(storage, uri, **options)
-        remote = storage.local_path(uri) is None
         # Only the metadata (a skeleton): the datasets' bytes are written by other processes.
         self.skeleton = bool(options.get("skeleton", False))
-        self.chunking = (
-            "contiguous" if self.skeleton else options.get("chunking") or ("contiguous" if remote else "fast")
-        )
-        if self.chunking not in ("fast", "h5py", "contiguous"):
-            raise ValueError(f"chunking must be 'fast', 'h5py' or 'contiguous', not {self.chunking!r}")
+        refused = self.unsplittable(options) if self.skeleton else None
+        if refused:
+            raise InvalidRequest(f"a cs-h5 skeleton is written contiguous: {refused}")
+        self.chunking = _chunking(options)
         self.part_size = int(options.get("part_size", DEFAULT_PART_SIZE))
         self.concurrency = int(options.get("concurrency", DEFAULT_CONCURRENCY))
         self._regions: dict[str, Region] = {}
@@ -186,10 +189,18 @@ class CsH5Sink(CerebrasSink):
                 self._placement = StreamedPlacement(self._tmp_path, upload, list(self._regions.values()))
 
     @classmethod
+    def unsplittable(cls, options: dict[str, Any]) -> str | None:
+        """A chunked layout (LZ4) cannot be cut into parts written by several processes: a dataset's
+        chunks take the room they compress to, so no offset is known before the data is written."""
+        if _chunking(options) == "contiguous":
+            return None
+        return "compressed cs-h5 datasets take the room they compress to: their offsets are not known up front"
+
+    @classmethod
     def remote_buffer_bytes(cls, options: dict[str, Any]) -> int:
-        """The contiguous layout (the S3 default) streams through one concurrent part upload; the
+        """The contiguous layout (the default) streams through one concurrent part upload; the
         chunked layouts upload the finished file with one streaming writer."""
-        if options.get("chunking", "contiguous") != "contiguous":
+        if _chunking(options) != "contiguous":
             return streaming_buffer_bytes()
         part_size = int(options.get("part_size", DEFAULT_PART_SIZE))
         return upload_buffer_bytes(part_size, int(options.get("concurrency", DEFAULT_CONCURRENCY)))
@@ -217,13 +228,14 @@ class CsH5Sink(CerebrasSink):
         return not self.skeleton and not (self.chunking == "contiguous" and self._tmp_dir is not None)
 
     def _output_bound(self) -> int:
-        """Most bytes the file can take on local disk: the data where it is written here (raw, or
-        LZ4 frames of at most raw size plus 1/255, plus each chunk's index entry, at most 1/64
-        for chunks of 4 KiB or more) and HDF5's metadata."""
+        """Most bytes the file can take on local disk: the data where it is written here (raw in
+        the contiguous layout; in a chunked one LZ4 frames of at most raw size plus 1/255, plus
+        each chunk's index entry, at most 1/64 for chunks of 4 KiB or more) and HDF5's metadata."""
         data = 0
         if self._writes_data_here():
             data = sum(e.nbytes for e in self._todo)
-        return data + data // 255 + data // 64 + META_RESERVE_BASE + META_RESERVE_PER_ENTRY * len(self._todo)
+        chunked = 0 if self.chunking == "contiguous" else data // 255 + data // 64
+        return data + chunked + META_RESERVE_BASE + META_RESERVE_PER_ENTRY * len(self._todo)
 
     def _reserve_space(self) -> None:
         """Allocate the file's blocks before HDF5 writes them (see ``reserve_space``): the space
@@ -489,6 +501,22 @@ class CsH5Sink(CerebrasSink):
         ds.attrs["compressed"] = np.bool_(md["compressed"])
         ds.attrs["__BYTES__"] = np.frombuffer(payload, dtype="V1")
         return md
+
+
+COMPRESSIONS = ("none", "lz4")
+
+
+def _chunking(options: dict[str, Any]) -> str:
+    """The layout ``options`` ask for: ``chunking`` when given, else the one ``compression`` needs."""
+    compression = options.get("compression") or "none"
+    if compression not in COMPRESSIONS:
+        raise InvalidRequest(f"cs-h5 compression must be one of {', '.join(COMPRESSIONS)}, not {compression!r}")
+    chunking = options.get("chunking") or ("fast" if compression == "lz4" else "contiguous")
+    if chunking not in ("fast", "h5py", "contiguous"):
+        raise ValueError(f"chunking must be 'fast', 'h5py' or 'contiguous', not {chunking!r}")
+    if compression == "lz4" and chunking == "contiguous":
+        raise InvalidRequest("LZ4 compression needs a chunked cs-h5 layout, not 'contiguous'")
+    return chunking
 
 
 def _remove_temp(path: str | None, directory: str | None) -> None:

@@ -31,6 +31,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         parallelism=ctx.options.parallelism,
         parts=ctx.parts,
         auto_parallelism=auto_parallelism(ctx.options.parallelism),
+        h5_compression=ctx.options.h5_compression,
     )
     return result.to_dict()
 
@@ -69,6 +70,7 @@ def plan(ctx: JobContext) -> dict[str, Any]:
         dtype=ctx.options.dtype,
         memory_budget=ctx.options.memory_budget,
         target=ctx.target.get("uri"),
+        h5_compression=ctx.options.h5_compression,
     )
     if not doc.get("ok") and set(doc) <= {"ok", "errors"} and doc.get("errors"):
         # The source could not even be opened: that is an error of the request, not a plan.

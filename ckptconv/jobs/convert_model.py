@@ -56,6 +56,7 @@ def _job_arguments(ctx: JobContext) -> dict[str, Any]:
         "dst": out_dir,
         "export_safetensors": safetensors,
         "hf_shard_size": ctx.options.hf_shard_size,
+        "h5_compression": ctx.options.h5_compression,
         "cancelled": ctx.cancelled,
         "job_id": ctx.job_id,
         "parts": ctx.parts,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import CkptconvError, UnknownJobKind
@@ -122,11 +122,23 @@ Parallelism = Annotated[
     Annotated[int, Field(ge=1, le=MAX_PARALLELISM)] | Literal["auto"],
     Field(
         description="split the conversion into this many parts, balanced by output bytes, run by as many workers"
-        " and committed together (any target format; a cs-h5 output is then written contiguous,"
-        " uncompressed). The output is byte for byte the single-worker output. auto: one part per"
+        " and committed together (any target format; not a cs-h5 output with h5_compression lz4)."
+        " The output is byte for byte the single-worker output. auto: one part per"
         " CKPTCONV_AUTO_PARALLELISM_PART_BYTES of output (2 GiB), at most CKPTCONV_AUTO_PARALLELISM_MAX (16);"
-        " 1 for an output that cannot be split (a composite model)",
+        " 1 for an output that cannot be split (a composite model, a cs-h5 output with h5_compression lz4)",
         examples=[4, "auto"],
+    ),
+]
+
+H5Compression = Annotated[
+    Literal["none", "lz4"],
+    Field(
+        description="cs-h5 targets: none writes every dataset contiguous and uncompressed (its offsets known up"
+        " front: positioned writes, fan-out, a streamed S3 upload); lz4 writes LZ4-compressed 1 MiB chunks,"
+        " smaller only where the data compresses (zero-filled or constant tensors, e.g. fresh optimizer states;"
+        " trained weights barely shrink), for more CPU; such an output is written by one worker (parallelism 1)"
+        " and, on S3, built whole in the worker's scratch directory before its upload",
+        examples=["lz4"],
     ),
 ]
 
@@ -167,6 +179,11 @@ class ConvertOptions(KindOptions):
     )
 
     parallelism: Parallelism = 1
+    h5_compression: H5Compression = "none"
+
+    @model_validator(mode="after")
+    def _one_writer_for_lz4(self) -> ConvertOptions:
+        return _one_writer_for_lz4(self)
 
     @field_validator("shard_size", "memory_budget")
     @classmethod
@@ -219,6 +236,7 @@ class ConvertModelOptions(KindOptions):
         default=True, description="fold muP into standard parametrization on export (off: refuse muP checkpoints)"
     )
     parallelism: Parallelism = 1
+    h5_compression: H5Compression = "none"
     verify: bool = Field(
         default=False,
         description="also compare logits of the Hugging Face side and the simulator's model of the Cerebras side; "
@@ -247,6 +265,21 @@ class ConvertModelOptions(KindOptions):
     @classmethod
     def _hf_size(cls, value: int | str | None) -> int | str | None:
         return ConvertOptions._size(value)
+
+    @model_validator(mode="after")
+    def _one_writer_for_lz4(self) -> ConvertModelOptions:
+        return _one_writer_for_lz4(self)
+
+
+def _one_writer_for_lz4(options: Any) -> Any:
+    """Refused at submission rather than when the job runs: an LZ4-chunked H5 output is not laid out
+    before it is written, so it cannot be fanned out ("auto" picks 1 for it)."""
+    if options.h5_compression != "none" and isinstance(options.parallelism, int) and options.parallelism > 1:
+        raise ValueError(
+            f"h5_compression {options.h5_compression} writes chunks whose sizes are known only once compressed:"
+            " such an output is written by one worker (parallelism 1 or auto)"
+        )
+    return options
 
 
 ModelName = Annotated[str, Field(min_length=1, max_length=64, description="Model Zoo model name (GET /v1/models)")]

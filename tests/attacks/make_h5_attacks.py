@@ -71,7 +71,8 @@ def _small_checkpoint(path: Path) -> None:
         else Entry(k, "value", value=v)
         for k, v in leaves
     ]
-    sink = CsH5Sink(open_storage(str(path)), str(path), fsync=False)
+    # LZ4-chunked, as cstorch writes it (the bad-chunk attack needs a chunked dataset).
+    sink = CsH5Sink(open_storage(str(path)), str(path), fsync=False, compression="lz4")
     sink.begin(entries, spec)
     for k, v in leaves:
         sink.write(k, v)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ckptconv.engine.fanout.run import FANOUT_FORMATS
+from ckptconv.formats import sink_class
 
 MAX_PARTS = 256  # parts of one job: each is a message, a lease and a record in staging
 AUTO_PART_BYTES = 2 << 30  # one part per this many output bytes
@@ -20,13 +22,20 @@ class AutoParallelism:
     max_parts: int = AUTO_MAX_PARTS
 
 
-def resolve_parallelism(requested: int | str, total_bytes: int, to: str, auto: AutoParallelism | None = None) -> int:
+def resolve_parallelism(
+    requested: int | str,
+    total_bytes: int,
+    to: str,
+    auto: AutoParallelism | None = None,
+    sink_options: dict[str, Any] | None = None,
+) -> int:
     """The number of parts: ``requested`` as given, or for ``"auto"`` one part per
     ``auto.part_bytes`` of output, capped by ``auto.max_parts`` and 256; 1 for a format whose
-    layout is not known up front (auto never asks for what the format refuses)."""
+    layout is not known up front, with the sink's options (auto never asks for what the format refuses)."""
     if requested != "auto":
         return int(requested)
-    if to not in FANOUT_FORMATS:
+    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
+    if to not in FANOUT_FORMATS or sink_class(to).unsplittable(options):
         return 1
     auto = auto or AutoParallelism()
     wanted = math.ceil(max(total_bytes, 1) / max(auto.part_bytes, 1))

@@ -197,6 +197,9 @@ def run_fanout(
             f"parallelism > 1 writes {' or '.join(FANOUT_FORMATS)} outputs, not {to}",
             hint="convert with parallelism 1, or to one of those formats",
         )
+    refused = sink_class(to).unsplittable({k: v for k, v in (sink_options or {}).items() if v is not None})
+    if refused:
+        raise InvalidRequest(f"parallelism > 1: {refused}", hint="convert with parallelism 1, or without compression")
     runner = runner or InlineRunner()
     target = normalize_uri(target)
     storage = open_storage(target)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.core.uri import basename, normalize_uri, parent
+from ckptconv.engine.convert import h5_compression_options
 from ckptconv.engine.cs_yaml import dump_cs_yaml
 from ckptconv.engine.fanout import AutoParallelism, resolve_parallelism, run_fanout, run_part
 from ckptconv.engine.layouts import upgrades
@@ -227,6 +228,7 @@ def model_output(
     hf_shard_size: int | str | None = DEFAULT_HF_SHARD_SIZE,
     fold_lora: bool = False,
     fold_mup: bool = True,
+    h5_compression: str = "none",
 ) -> ModelOutput:
     """The plan, target, sink options and extra files of converting ``source`` (see convert_model)."""
     doc, cfg_uri = _config_for(source, config, src_fmt)
@@ -252,6 +254,7 @@ def model_output(
         config_bytes = dump_cs_yaml(conf.target)
         if export_safetensors:
             plan.warnings.append("--export-safetensors applies to Hugging Face outputs only; ignored")
+    sink_options.update(h5_compression_options(to, h5_compression))
     extras = {k: v for k, v in plan.extras.items() if k not in ("config_ignored_keys", "components")}
     out = ModelOutput(plan, to, target, sink_options, {cfg_rel: config_bytes}, {"model_conversion": extras})
     if components:  # several model directories in one output (DPR's encoders, LLaVA's parts)
@@ -284,6 +287,7 @@ def convert_model(
     parallelism: int | str = 1,
     parts: Any = None,
     auto_parallelism: AutoParallelism | None = None,
+    h5_compression: str = "none",
 ) -> ConvertResult:
     """Convert a checkpoint between model layouts; ``dst`` is the output directory (default:
     beside the input). Returns the engine's ConvertResult (outputs, manifest, warnings).
@@ -291,7 +295,8 @@ def convert_model(
     ``parallelism`` > 1 fans the conversion out (see :mod:`ckptconv.engine.fanout`; ``parts``
     hands the parts to workers; ``"auto"``: by the output's size, see
     :func:`~ckptconv.engine.fanout.resolve_parallelism`); not for composite models, whose output
-    spans several formats' directories (``"auto"`` picks 1 for them)."""
+    spans several formats' directories (``"auto"`` picks 1 for them), nor for a cs-h5 output with
+    ``h5_compression="lz4"`` (LZ4-chunked datasets; see :func:`~ckptconv.engine.convert.convert`)."""
 
     source, _ = _open(src, model, src_fmt)
     try:
@@ -307,6 +312,7 @@ def convert_model(
             hf_shard_size=hf_shard_size,
             fold_lora=fold_lora,
             fold_mup=fold_mup,
+            h5_compression=h5_compression,
         )
         common: dict[str, Any] = {
             "to": out.to,
@@ -321,7 +327,7 @@ def convert_model(
             "extras": out.extras,
         }
         count = 1 if parallelism == "auto" and out.sink_factory is not None else parallelism
-        count = resolve_parallelism(count, out.plan.bytes_total, out.to, auto_parallelism)
+        count = resolve_parallelism(count, out.plan.bytes_total, out.to, auto_parallelism, out.sink_options)
         if count > 1:
             if out.sink_factory is not None:
                 raise InvalidRequest(f"{model} writes several model directories: parallelism must be 1")
