@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import cramjam
+import numpy as np
 import pytest
 import torch
 from s3_area import OnS3
@@ -35,7 +36,7 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
-from ckptconv.formats.base import Entry, OpaqueObject, dtype_name
+from ckptconv.formats.base import Entry, OpaqueObject, RawTensor, dtype_name
 from ckptconv.formats.cs_h5 import CsH5Source
 from ckptconv.formats.tf_bundle import TfSource
 from ckptconv.formats.tf_bundle_codec import (
@@ -258,6 +259,33 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert raw_bytes(got) == raw_bytes(want), e.key
     assert src.info["ckptconv_metadata"] is False  # plain tensors need nothing beyond TF's own index
+
+
+def test_tensors_as_bytes_are_written_and_read_as_torch_tensors_are(tmp_path):
+    # A conversion that only moves bytes hands the sink RawTensors and asks the source for them
+    # (formats.base.RawTensor): the same files, and the same bytes back, as with torch tensors.
+    values = {
+        f"{dt}/{j}": sample(dt, shape, i * 10 + j)
+        for i, dt in enumerate(ALL_DTYPES)
+        for j, shape in enumerate([(), (0, 2), (5, 3)])
+    }
+    entries = [tensor_entry(k, v) for k, v in values.items()]
+    raw = {
+        k: RawTensor(np.frombuffer(raw_bytes(v), dtype=np.uint8).copy(), dtype_name(v.dtype), tuple(v.shape))
+        for k, v in values.items()
+    }
+    write_bundle(str(tmp_path / "torch" / "ckpt"), entries, values)
+    write_bundle(str(tmp_path / "raw" / "ckpt"), entries, raw)
+    for f in (tmp_path / "torch").iterdir():
+        assert (tmp_path / "raw" / f.name).read_bytes() == f.read_bytes(), f.name
+    src = TfSource(open_storage(str(tmp_path / "raw" / "ckpt")), str(tmp_path / "raw" / "ckpt"))
+    with src.reading_raw(True):
+        for key, want in values.items():
+            got = src.read(key)
+            assert isinstance(got, RawTensor), key
+            assert (got.dtype, got.shape) == (dtype_name(want.dtype), tuple(want.shape)), key
+            assert got.data.tobytes() == raw_bytes(want), key
+    assert isinstance(src.read(entries[-1].key), torch.Tensor)  # outside the block, torch tensors again
 
 
 def test_everything_a_checkpoint_holds_round_trips(tmp_path):

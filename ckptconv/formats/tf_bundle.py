@@ -38,9 +38,9 @@ from ckptconv.core.errors import (
     UnsupportedDtype,
     UnsupportedFormat,
 )
-from ckptconv.formats.base import Entry, OpaqueObject, TensorSource
+from ckptconv.formats.base import Entry, OpaqueObject, RawTensor, TensorSource
 from ckptconv.formats.links import link_root, refuse_link_cycles
-from ckptconv.formats.memory import empty_tensor
+from ckptconv.formats.memory import empty_raw, empty_tensor
 from ckptconv.formats.restricted_pickle import try_loads
 from ckptconv.formats.tf_bundle_codec import (
     BUNDLE_MIN_PRODUCER,
@@ -295,7 +295,7 @@ class TfSource(TensorSource):
         if stored.dtype in TF_TO_DTYPE:
             if stored.slices:
                 return self._read_partitioned(key, stored)
-            return self._read_tensor(key, stored)
+            return self._read_tensor(key, stored, raw=self.raw_reads)
         if stored.dtype == DT_STRING:
             raw = self._read_checked(key, stored)
             flat = decode_strings(raw, math.prod(stored.shape), key)[0]
@@ -324,11 +324,17 @@ class TfSource(TensorSource):
             raise CorruptCheckpoint(f"{key!r} fails its crc32c check: the data file is damaged")
         return data
 
-    def _read_tensor(self, key: str, e: BundleEntry) -> torch.Tensor:
-        out = empty_tensor(e.shape, TF_TO_DTYPE[e.dtype])
+    def _read_tensor(self, key: str, e: BundleEntry, *, raw: bool = False) -> torch.Tensor | RawTensor:
+        """One stored tensor, checked against its CRC-32C; ``raw``: as a :class:`RawTensor`, without torch."""
+        out: torch.Tensor | RawTensor
+        if raw:
+            out = empty_raw(e.shape, TF_TO_DTYPE[e.dtype])
+            view = memoryview(out.data).cast("B")
+        else:
+            out = empty_tensor(e.shape, TF_TO_DTYPE[e.dtype])
+            view = byte_view(out)
         if e.size == 0:
             return out
-        view = byte_view(out)
         uri = data_uri(self.prefix, e.shard_id, self.header.num_shards)
         path = self.storage.local_path(uri)
         if path is not None:

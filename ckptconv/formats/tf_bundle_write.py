@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,17 +33,22 @@ from ckptconv.core.errors import (
     UnsupportedValue,
 )
 from ckptconv.core.sizes import parse_size
-from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, TensorSink
+from ckptconv.formats.base import Entry, OpaqueObject, OutputFile, RawTensor, TensorSink, value_dtype
 from ckptconv.formats.layout import DATA, FileLayout, LayoutRecorder
 from ckptconv.formats.links import link_root
-from ckptconv.formats.sharding import WRITE_PIECE_BYTES, HashingWriter, create_local_skeletons, split_by_size
+from ckptconv.formats.sharding import (
+    WRITE_PIECE_BYTES,
+    HashingWriter,
+    create_local_skeletons,
+    split_by_size,
+    tensor_view,
+)
 from ckptconv.formats.tf_bundle_codec import (
     BUNDLE_VERSION,
     JSON_VALUE_TYPES,
     METADATA_FORMAT,
     METADATA_KEY,
     bundle_prefix,
-    byte_view,
     data_uri,
     encode_strings,
     index_uri,
@@ -106,6 +112,7 @@ class TfSink(TensorSink):
     supports_links = True
     supports_objects = True
     supported_dtypes = frozenset(DTYPE_TO_TF)
+    accepts_raw = True  # a tensor is its bytes and their CRC-32C: no torch needed
 
     @classmethod
     def check(cls, entries: Any) -> None:
@@ -217,17 +224,16 @@ class TfSink(TensorSink):
             self._write_object(item, value)
 
     def _write_tensor(self, item: _Item, value: Any) -> None:
-        import torch
-
         e = item.entry
-        if not isinstance(value, torch.Tensor):
+        torch = sys.modules.get("torch")  # a torch tensor means torch is loaded; a RawTensor needs none
+        if not isinstance(value, RawTensor) and (torch is None or not isinstance(value, torch.Tensor)):
             raise UnsupportedValue(f"{e.key!r} was announced as a tensor but {type(value).__name__} was written")
-        dtype = str(value.dtype).removeprefix("torch.")
+        dtype = value_dtype(value)
         if dtype != e.dtype or tuple(value.shape) != tuple(e.shape or ()):
             raise UnsupportedValue(
                 f"{e.key!r} was announced as {e.dtype}{list(e.shape or ())} but {dtype}{list(value.shape)} was written"
             )
-        view = byte_view(value)
+        view = tensor_view(value)
         self._append(item, DTYPE_TO_TF[dtype], tuple(value.shape), [view], crc32c_extend(0, view))
 
     def _write_object(self, item: _Item, value: Any) -> None:
