@@ -501,3 +501,49 @@ def test_a_member_crc_is_computed_piece_by_piece_beside_the_sha256(tmp_path: Pat
     loaded = torch.load(tmp_path / "out.bin", weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     assert result.outputs[0].sha256 == hashlib.sha256((tmp_path / "out.bin").read_bytes()).hexdigest()
+
+
+def test_a_checkpoint_written_from_tensors_bytes_never_imports_torch(tmp_path: Path) -> None:
+    # A conversion that only moves bytes hands the sink RawTensors (formats.base.RawTensor); data.pkl
+    # still names torch's rebuild functions, storage classes and dtypes, and torch.load reads it.
+    sizes = {"float32": 4, "bfloat16": 2, "int64": 8, "bool": 1, "uint16": 2, "float8_e4m3fn": 1}
+    payloads = {
+        dt: bytes((b * (i + 3)) % (2 if dt == "bool" else 251) for b in range(6 * n))
+        for i, (dt, n) in enumerate(sizes.items())
+    }
+    code = f"""
+import sys
+import numpy as np
+from ckptconv.formats.base import Entry, RawTensor
+from ckptconv.formats.torch_pickle import TorchSink
+from ckptconv.storage import open_storage
+
+entries = [Entry("w." + dt, "tensor", dt, (2, 3)) for dt in {list(payloads)!r}]
+entries.append(Entry("tied", "link", target="w.float32"))
+for name, options in [("one.bin", {{}}), ("sharded", {{"shard_size": 100, "always_sharded": True}})]:
+    uri = sys.argv[1] + "/" + name
+    sink = TorchSink(open_storage(uri), uri, **options)
+    sink.begin(entries, None)
+    for dt, data in {payloads!r}.items():
+        sink.write("w." + dt, RawTensor(np.frombuffer(data, dtype=np.uint8).copy(), dt, (2, 3)))
+    sink.commit()
+assert "torch" not in sys.modules, "writing a torch checkpoint from bytes imported torch"
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert out.returncode == 0, out.stderr
+    one = torch.load(tmp_path / "one.bin", weights_only=True)
+    shards = sorted((tmp_path / "sharded").glob("*.bin"))
+    assert len(shards) > 1
+    for state in (one, {k: v for f in shards for k, v in torch.load(f, weights_only=True).items()}):
+        assert sorted(state) == sorted([*(f"w.{dt}" for dt in sizes), "tied"])
+        for dt, data in payloads.items():
+            t = state[f"w.{dt}"]
+            assert t.dtype == getattr(torch, dt) and t.shape == (2, 3) and bits(t) == data, dt
+    assert one["tied"] is one["w.float32"]
