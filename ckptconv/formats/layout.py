@@ -21,10 +21,11 @@ of the rest recorded. A bundle's index is written last the same way, by the form
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from isal import isal_zlib
 
 from ckptconv.formats.base import OpaqueObject
 from ckptconv.formats.sharding import tensor_view
@@ -44,7 +45,8 @@ class Span:
 
 DATA = "data"
 CRC32 = "crc32"
-CHECKSUMS = {"crc32": zlib.crc32, "crc32c": lambda data: crc32c_extend(0, data)}
+# CRC-32 by ISA-L: the same values as zlib.crc32 at about seven times its speed.
+CHECKSUMS = {"crc32": isal_zlib.crc32, "crc32c": lambda data: crc32c_extend(0, data)}
 
 
 @dataclass
