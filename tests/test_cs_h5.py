@@ -48,7 +48,6 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
     UnsupportedValue,
 )
-from ckptconv.formats import cs_h5_contiguous
 from ckptconv.formats.base import Entry, OpaqueObject
 from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
 from ckptconv.formats.cs_h5_chunks import lz4_decode_into, lz4_encode, slab_chunk_shape
@@ -884,7 +883,7 @@ def test_a_local_contiguous_value_is_written_and_hashed_in_pieces(tmp_path, monk
         return pwrite_all(fd, data, offset)
 
     monkeypatch.setattr(WrittenBlocks, "wrote", hashing)
-    monkeypatch.setattr(cs_h5_contiguous, "pwrite_all", writing)
+    monkeypatch.setattr(local, "pwrite_all", writing)  # under LocalPatch.write_at
     out = tmp_path / "out.mdl"
     big = torch.randn(7 * WRITE_PIECE_BYTES // 16 + 3, 2)  # 3.5 MiB and 24 bytes
     entries, spec, values = entries_from_tree({"big": big, "b": torch.randn(7)})

@@ -32,6 +32,17 @@ CHILD = textwrap.dedent(
 
     source, target, fmt, mount, hook = sys.argv[1:6]
     fmt, _, compression = fmt.partition("+")  # cs-h5+lz4: the LZ4-chunked layout
+
+    def fill():
+        fd = os.open(os.path.join(mount, "filler"), os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\\0" * (4 << 10))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     if hook == "fill-after-reserve":
         # Another writer takes the rest of the disk once the sink has begun.
         from ckptconv.formats import cs_h5_write
@@ -40,16 +51,29 @@ CHILD = textwrap.dedent(
 
         def reserve_then_fill(self):
             reserve(self)
-            fd = os.open(os.path.join(mount, "filler"), os.O_WRONLY | os.O_CREAT)
-            try:
-                while True:
-                    os.write(fd, b"\\0" * (4 << 10))
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            fill()
 
         cs_h5_write.CsH5Sink._reserve_space = reserve_then_fill
+    if hook == "no-fallocate":
+        # A filesystem without fallocate (some FUSE mounts): every reservation answers EOPNOTSUPP.
+        # The disk fills up once HDF5 has laid out the file, before the values are placed.
+        import ctypes, errno
+        from ckptconv.formats import cs_h5_write
+        from ckptconv.storage import local
+
+        def unsupported(fd, mode, offset, nbytes):
+            ctypes.set_errno(errno.EOPNOTSUPP)
+            return -1
+
+        local._fallocate = unsupported
+        allocate = cs_h5_write.CsH5Sink._allocate
+
+        def allocate_then_fill(self):
+            regions = allocate(self)
+            fill()
+            return regions
+
+        cs_h5_write.CsH5Sink._allocate = allocate_then_fill
     try:
         convert(source, target, to=fmt, h5_compression=compression or "none")
         outcome = {"code": "ok"}
@@ -157,3 +181,13 @@ def test_a_contiguous_output_needs_no_room_for_lz4_frames(small_fs: Callable[[st
     (mount / "out.mdl.manifest.json").unlink()
     out = _convert_in_child(source, mount / "lz4.mdl", "cs-h5+lz4", mount)
     assert out["code"] == "storage_error" and out["left"] == [], out
+
+
+def test_cs_h5_disk_filled_meanwhile_without_fallocate(small_fs: Callable[[str], Path], source: Path) -> None:
+    """No reservation stands (the filesystem has no fallocate) and the disk fills up after the space
+    check: the positioned writes of the values meet the full disk, a typed error, nothing left."""
+    mount = small_fs("48m")
+    out = _convert_in_child(source, mount / "out.mdl", "cs-h5", mount, hook="no-fallocate")
+    assert out["code"] == "storage_error", out
+    assert "free disk space" in out["hint"], out
+    assert out["left"] == ["filler"], out

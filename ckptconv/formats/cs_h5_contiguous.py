@@ -28,7 +28,7 @@ import numpy as np
 
 from ckptconv.formats.sharding import WRITE_PIECE_BYTES
 from ckptconv.storage.digests import WrittenBlocks
-from ckptconv.storage.local import pwrite_all
+from ckptconv.storage.local import LocalPatch, pwrite_all
 from ckptconv.storage.part_upload import PartUpload
 
 # The metadata block of a contiguous file: room for each dataset's object header and attributes
@@ -64,10 +64,11 @@ def region_of(ds: h5py.Dataset) -> Region | None:
 
 class LocalPlacement:
     """Positioned writes into the skeleton, which is the output file; each reported to
-    ``written`` (the file's block digest) when given."""
+    ``written`` (the file's block digest) when given. A failed write (a full disk where no
+    reservation stands) is a typed storage error naming ``uri``."""
 
-    def __init__(self, path: str, written: WrittenBlocks | None = None) -> None:
-        self._fd = os.open(path, os.O_WRONLY)
+    def __init__(self, path: str, uri: str, written: WrittenBlocks | None = None) -> None:
+        self._file = LocalPatch(uri, path)
         self._written = written
 
     def place(self, region: Region, data: memoryview) -> None:
@@ -76,7 +77,7 @@ class LocalPlacement:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         for at in range(0, len(view), WRITE_PIECE_BYTES):
             piece = view[at : at + WRITE_PIECE_BYTES]
-            pwrite_all(self._fd, piece, region.offset + at)
+            self._file.write_at(region.offset + at, piece)
             if self._written is not None:
                 self._written.wrote(region.offset + at, piece)
 
@@ -84,9 +85,7 @@ class LocalPlacement:
         self.close()
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._file.close(sync=False)  # the sink fsyncs the file once HDF5 has closed it
 
 
 class SkeletonOnly:

@@ -178,7 +178,7 @@ class CsH5Sink(CerebrasSink):
             if self.skeleton:
                 self._placement = SkeletonOnly()
             elif self._tmp_dir is None:
-                self._placement = LocalPlacement(self._tmp_path, self._written)
+                self._placement = LocalPlacement(self._tmp_path, self.uri, self._written)
             else:
                 upload = PartUpload(
                     self.storage.backend(self.uri),  # drives S3's multipart calls for this one object

@@ -237,12 +237,15 @@ class LocalWriter(Writer):
 class LocalPatch:
     """Positioned writes into an existing file (several processes filling one preallocated output,
     each its own byte ranges). Never creates the file: a writer that comes late, after its output
-    was discarded, fails instead of leaving a file behind."""
+    was discarded, fails instead of leaving a file behind.
 
-    def __init__(self, uri: str) -> None:
+    ``path`` is the file when it is not the one ``uri`` names (a writer's temp file beside its
+    target); errors name ``uri`` either way."""
+
+    def __init__(self, uri: str, path: str | None = None) -> None:
         self.uri = uri
         with _os_errors(uri, reading=False):
-            self._fd = os.open(local_path_of(uri), os.O_WRONLY)
+            self._fd = os.open(local_path_of(uri) if path is None else path, os.O_WRONLY)
 
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         with _os_errors(self.uri, reading=False):
