@@ -1,9 +1,12 @@
-"""Planning over S3 costs few requests, as the S3 server's own request log counts them.
+"""Planning over S3, and staging and publishing to it, cost few requests, as the S3 server's own
+request log counts them.
 
 Object stores charge latency (and money) per request: a plan over a checkpoint of many shards
 should need about one request per shard (its header, whose ranged GET also tells the shard's
-size), and an H5 file's scattered metadata should come in a few large reads. The counts are read
-from moto's access log, so every request is seen, whichever part of the code sent it.
+size), and an H5 file's scattered metadata should come in a few large reads. A small object
+(a manifest, a record) is read with one GET and written with one check and one PUT; publication
+checks each file once. The counts are read from moto's access log, so every request is seen,
+whichever part of the code sent it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import torch
 from s3_access_log import AccessLoggedS3, aws_environ
 from safetensors.torch import save
 
+from ckptconv.core.errors import ObjectNotFound, TargetExists
 from ckptconv.engine.convert import convert, plan_conversion
+from ckptconv.storage.s3 import S3Storage
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +114,44 @@ def test_a_plan_over_an_h5_file_reads_its_metadata_in_few_requests(logged: dict[
         assert len(seen) <= 3, seen
     else:  # one small read per object header found between the datasets, none for the data
         assert len(seen) <= len(tensors) + 2, seen
+
+
+def test_a_small_object_is_read_whole_with_one_get(logged: dict[str, Any]) -> None:
+    storage = S3Storage()
+    key = "small/manifest.json"
+    logged["client"].put_object(Bucket=logged["bucket"], Key=key, Body=b'{"files": []}')
+    got: list[bytes] = []
+    seen = _requests_of(logged, lambda: got.append(storage.read_all(f"s3://{logged['bucket']}/{key}")))
+    assert got == [b'{"files": []}']
+    assert seen == [("GET", key)], seen  # its size comes with its bytes: no HEAD
+    with pytest.raises(ObjectNotFound):
+        storage.read_all(f"s3://{logged['bucket']}/small/absent.json")
+
+
+def test_a_small_object_is_written_with_one_check_and_one_put(logged: dict[str, Any]) -> None:
+    storage = S3Storage()
+    key = "small/record.json"
+    uri = f"s3://{logged['bucket']}/{key}"
+    infos = []
+    seen = _requests_of(logged, lambda: infos.append(storage.write_bytes(uri, b"[1, 2]")))
+    assert seen == [("HEAD", key), ("PUT", key)], seen  # checked absent, then put create-only
+    assert infos[0].size == 6 and infos[0].etag == storage.stat(uri).etag
+    with pytest.raises(TargetExists):
+        storage.write_bytes(uri, b"[3]")
+    assert logged["client"].get_object(Bucket=logged["bucket"], Key=key)["Body"].read() == b"[1, 2]"
+
+
+def test_a_conversion_to_s3_checks_each_object_once_per_step(logged: dict[str, Any]) -> None:
+    g = torch.Generator().manual_seed(5)
+    st = logged["tmp"] / "publish.safetensors"
+    st.write_bytes(save({f"layers.{i}.w": torch.randn(64, 64, generator=g) for i in range(4)}))
+    target = f"s3://{logged['bucket']}/published/model.mdl"
+    seen = _requests_of(logged, lambda: convert(str(st), target, to="cs-h5"))
+    assert logged["client"].head_object(Bucket=logged["bucket"], Key="published/model.mdl")["ContentLength"] > 0
+    heads = [k for m, k in seen if m == "HEAD"]
+    # The target, before any work; the staged file by its sink (before any work) and by its put;
+    # the staged manifest by its put (each put's own check, none before or after it); publication:
+    # the target (is it this job's already?) and, by the copy of each file, its source and target
+    # once each. Reading the staged manifest back is a GET, without a HEAD.
+    assert len(heads) <= 9, seen
+    assert len(seen) <= 22, seen

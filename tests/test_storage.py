@@ -581,15 +581,15 @@ def test_s3_multipart_publish_refuses_a_staged_object_replaced_after_its_check(s
     storage = S3Storage(multipart_copy_threshold=5 * MiB, copy_part_size=5 * MiB, max_attempts=1)
     staged, final = f"s3://{s3_bucket}/stage/big", f"s3://{s3_bucket}/out/big"
     storage.write_bytes(staged, os.urandom(11 * MiB))
-    stat = storage.stat
+    head = storage._head  # publish checks the staged object with it
 
-    def replaced_after(uri: str):
-        info = stat(uri)
+    def replaced_after(uri: str, bucket: str, key: str):
+        answer = head(uri, bucket, key)
         if uri == staged:  # same size, other bytes
             storage.client.put_object(Bucket=s3_bucket, Key="stage/big", Body=os.urandom(11 * MiB))
-        return info
+        return answer
 
-    storage.stat = replaced_after
+    storage._head = replaced_after
     with pytest.raises(VerificationFailed, match="changed"):
         storage.publish([(staged, final)])
     assert not storage.exists(final)
@@ -628,10 +628,8 @@ def _stubbed_copy_refused(target_present: bool):
     stub = Stubber(client)
     checked = {"ContentLength": 5, "ETag": '"aaaa"', "LastModified": datetime.datetime.now(datetime.UTC)}
     stub.add_response("head_object", checked, {"Bucket": "b", "Key": "stage/m"})  # publish's stat
-    for _ in range(2):  # publish's check, then the create-only write's
-        stub.add_client_error(
-            "head_object", "404", http_status_code=404, expected_params={"Bucket": "b", "Key": "out/m"}
-        )
+    # publish's check of the target (the create-only copy right after it sends none of its own)
+    stub.add_client_error("head_object", "404", http_status_code=404, expected_params={"Bucket": "b", "Key": "out/m"})
     copy = {"Bucket": "b", "Key": "out/m", "CopySource": ANY, "CopySourceIfMatch": '"aaaa"', "IfNoneMatch": "*"}
     stub.add_client_error("copy_object", "PreconditionFailed", http_status_code=412, expected_params=copy)
     if target_present:

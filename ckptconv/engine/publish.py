@@ -156,10 +156,12 @@ def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:
                 with contextlib.suppress(ObjectNotFound):
                     storage.delete(staged)
                 continue
-            if not storage.exists(staged):
-                raise VerificationFailed(f"staged file {f['path']} vanished before publication")
             fence(job_id)
-            storage.publish([(staged, f["uri"])], overwrite=False, owner=job_id)
+            try:
+                # Publication checks the staged file first itself (one HEAD on S3, not two).
+                storage.publish([(staged, f["uri"])], overwrite=False, owner=job_id)
+            except ObjectNotFound as e:
+                raise VerificationFailed(f"staged file {f['path']} vanished before publication") from e
             placed.append(f["uri"])
         fence(job_id)
         storage.publish([(staged_manifest, final_manifest)], overwrite=False, owner=job_id)

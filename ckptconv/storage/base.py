@@ -40,6 +40,9 @@ BLOCK_SIZE = 8 << 20
 # Part size of a streaming writer whose caller does not choose one (``open_writer``).
 STREAM_PART_SIZE = 64 << 20
 
+# The first read of ``read_all``: all of nearly every object it reads (manifests, records, configs).
+READ_ALL_FIRST = 4 << 20
+
 # The user-metadata key (``x-amz-meta-ckptconv-job`` on S3) under which ``publish`` names the job
 # that placed an object (S3 writes it already when a job's attempt creates the staged object).
 OWNER_METADATA = "ckptconv-job"
@@ -128,8 +131,14 @@ class Storage(abc.ABC):
         memoryview(buf).cast("B")[:] = self.read_range(uri, offset, len(memoryview(buf).cast("B")))
 
     def read_all(self, uri: str) -> bytes:
-        """A whole (small) object: indexes, configs, headers. Never used for tensor data."""
-        return self.read_range(uri, 0, self.stat(uri).size)
+        """A whole (small) object: indexes, configs, headers. Never used for tensor data.
+
+        Read as :meth:`read_head` reads, whose first answer tells the size: on an object store one
+        GET for an object within :data:`READ_ALL_FIRST` bytes, not a HEAD and a GET."""
+        data, info = self.read_head(uri, READ_ALL_FIRST)
+        if len(data) < info.size:
+            data += self.read_range(uri, len(data), info.size - len(data))
+        return data
 
     def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
         """Up to ``length`` bytes from ``offset`` (fewer where the object ends first, none past its

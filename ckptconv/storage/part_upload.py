@@ -321,11 +321,12 @@ class PartUpload:
             raise StorageError(f"{self.uri}: {size} bytes announced, {filled} written")
         if self._block_digest:
             self.blocks.add(0, memoryview(buf)[:size])
-        with self._storage.open_writer(self.uri, overwrite=self._overwrite, metadata=self._metadata) as w:
-            w.write(memoryview(buf)[:size])
+        info = self._storage.put_object(
+            self.uri, memoryview(buf)[:size], overwrite=self._overwrite, metadata=self._metadata
+        )
         self._state = "completed"
         self._stop_pool()
-        return self._storage.stat(self.uri)
+        return info
 
     def stop(self) -> None:
         """Send nothing more from here: parts not yet started are dropped, parts in flight are

@@ -111,6 +111,7 @@ class S3Storage(Storage):
         call: Callable[..., dict[str, Any]],
         *,
         ours: Callable[[ObjectInfo], bool] | None = None,
+        checked: bool = False,
         **kwargs: Any,
     ) -> dict[str, Any]:
         """Run a write that must not replace an existing object at ``uri`` (put, complete, copy).
@@ -119,9 +120,10 @@ class S3Storage(Storage):
         with ``If-None-Match: *`` so that AWS and MinIO refuse it atomically if another writer
         won meanwhile. Raises TargetExists when the object exists. ``ours`` recognizes the
         object this very write creates: when a retry is refused (the object exists, or the
-        upload is gone) because an earlier try did succeed, that is success.
+        upload is gone) because an earlier try did succeed, that is success. ``checked``: the
+        caller found ``uri`` absent right before (with nothing sent in between): no second HEAD.
         """
-        if self.exists(uri):
+        if not checked and self.exists(uri):
             raise TargetExists(f"{uri} already exists", uri=uri)
         tries = 0
 
@@ -162,11 +164,7 @@ class S3Storage(Storage):
     # --- Storage ---------------------------------------------------------------------------
 
     def stat(self, uri: str) -> ObjectInfo:
-        bucket, key = self._object(uri)
-        r = self._head(uri, bucket, key)
-        return ObjectInfo(
-            uri=uri, size=int(r["ContentLength"]), etag=clean_etag(r.get("ETag")), mtime=r["LastModified"].timestamp()
-        )
+        return _info_of(uri, self._head(uri, *self._object(uri)))
 
     def _head(self, uri: str, bucket: str, key: str) -> dict[str, Any]:
         def attempt() -> dict[str, Any]:
@@ -248,6 +246,25 @@ class S3Storage(Storage):
             raise TargetExists(f"{uri} already exists", uri=uri)
         metadata = self.object_metadata(metadata)
         return S3Writer(self, uri, bucket, key, overwrite=overwrite, part_size=part_size, metadata=metadata)
+
+    def write_bytes(self, uri: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
+        if len(data) > STREAM_PART_SIZE:
+            return super().write_bytes(uri, data, overwrite=overwrite)
+        return self.put_object(uri, data, overwrite=overwrite, metadata=self.object_metadata())
+
+    def put_object(
+        self, uri: str, data: bytes | bytearray | memoryview, *, overwrite: bool, metadata: Mapping[str, str]
+    ) -> ObjectInfo:
+        """``data``, held whole in memory, as one PutObject (a streaming upload past
+        :data:`STREAM_PART_SIZE`), create-only unless ``overwrite``, with the user ``metadata`` as
+        given; its size and ETag (no mtime). The put's own check of the key stands for a writer's
+        early one, which only saves uploading what is not yet in memory, and its answer's ETag for
+        a HEAD after it."""
+        bucket, key = self._object(uri, writing=True)
+        writer = S3Writer(self, uri, bucket, key, overwrite=overwrite, part_size=STREAM_PART_SIZE, metadata=metadata)
+        with writer:
+            writer.write(data)
+            return writer.commit()
 
     def object_metadata(self, metadata: Mapping[str, str] | None = None) -> dict[str, str]:
         """The user metadata of an object written now: ``metadata`` and, inside a job's attempt,
@@ -403,14 +420,16 @@ class S3Storage(Storage):
         before the first copy, so a refused publish changes nothing.
         """
         pairs = list(pairs)
-        infos = [self.stat(src) for src, _ in pairs]
+        heads = [self._head(src, *self._object(src)) for src, _ in pairs]
         if not overwrite:
             for _, dst in pairs:
                 if self.exists(dst):
                     raise TargetExists(f"{dst} already exists", uri=dst)
-        for (src, dst), info in zip(pairs, infos, strict=True):
+        for i, ((src, dst), head) in enumerate(zip(pairs, heads, strict=True)):
+            info = _info_of(src, head)
             if info.size <= self.multipart_copy_threshold:
-                self._copy_object(src, dst, info, overwrite=overwrite, owner=owner)
+                # The first copy follows the check of its target: no second HEAD of it before.
+                self._copy_object(src, dst, info, head, overwrite=overwrite, owner=owner, checked=i == 0)
             else:
                 self._copy_multipart(src, dst, info, overwrite=overwrite, owner=owner)
             try:
@@ -420,11 +439,21 @@ class S3Storage(Storage):
                 # a publish it saw succeed placed. The staged copy goes with its staging area.
                 log.warning("published %s but could not remove its staged copy %s: %s", dst, src, e)
 
-    def _copy_object(self, src: str, dst: str, info: ObjectInfo, *, overwrite: bool, owner: str | None) -> None:
+    def _copy_object(
+        self,
+        src: str,
+        dst: str,
+        info: ObjectInfo,
+        head: dict[str, Any],
+        *,
+        overwrite: bool,
+        owner: str | None,
+        checked: bool = False,
+    ) -> None:
+        """CopyObject of ``src`` (``info``, and ``head`` the HeadObject answer it was read from) to ``dst``."""
         src_bucket, src_key = self._object(src)
         bucket, key = self._object(dst, writing=True)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "CopySource": {"Bucket": src_bucket, "Key": src_key}}
-        head = self._head(src, src_bucket, src_key) if owner is not None else {}
         if owner is not None and head.get("Metadata", {}).get(OWNER_METADATA) != owner:
             # Staged outside the job's attempt (object_metadata did not name it): the copy names
             # it. Replacing the metadata replaces all of it: the source's is carried over by hand,
@@ -441,7 +470,9 @@ class S3Storage(Storage):
             if overwrite:
                 self._call(dst, self.client.copy_object, **kwargs)
             else:
-                self.create_only(dst, self.client.copy_object, ours=lambda got: _same_object(got, info), **kwargs)
+                self.create_only(
+                    dst, self.client.copy_object, ours=lambda got: _same_object(got, info), checked=checked, **kwargs
+                )
         except TargetExists as e:
             # A 412 answers either precondition: If-None-Match (an object is at ``dst``) or
             # CopySourceIfMatch (the source changed). Only the target's presence tells which.
@@ -532,6 +563,12 @@ class S3Storage(Storage):
 
     def join(self, base: str, *parts: str) -> str:
         return join_uri(base, *parts)
+
+
+def _info_of(uri: str, head: dict[str, Any]) -> ObjectInfo:
+    """The facts of a HeadObject answer."""
+    size, etag, mtime = int(head["ContentLength"]), clean_etag(head.get("ETag")), head["LastModified"].timestamp()
+    return ObjectInfo(uri=uri, size=size, etag=etag, mtime=mtime)
 
 
 def _source_changed(uri: str) -> VerificationFailed:
