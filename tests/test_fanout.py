@@ -301,6 +301,46 @@ def test_a_part_record_missing_a_block_hash_publishes_nothing(tmp_path: Path, s3
     assert _uploads(s3_bucket) == []
 
 
+class _OlderRecords(InlineRunner):
+    """Rolling deploy: the layout (``layout``) or part 0's record (``record``) read as an older
+    version wrote it, without the field ``field``."""
+
+    def __init__(self, out: Path, which: str, field: str) -> None:
+        super().__init__()
+        self.out, self.which, self.field = out, which, field
+
+    def _rewrite(self, name: str, **changes: object) -> None:
+        [path] = self.out.rglob(name)
+        doc = json.loads(path.read_bytes())
+        del doc[self.field]
+        path.write_text(json.dumps({**doc, **changes}))
+
+    def dispatch(self, count: int) -> None:
+        if self.which == "layout":
+            self._rewrite("layout.json", version=1)
+        super().dispatch(count)
+
+    @contextlib.contextmanager
+    def claim(self, index: int) -> Iterator[bool]:
+        yield True
+        if self.which == "record" and index == 0:
+            self._rewrite("part-00000.json")
+
+
+@pytest.mark.parametrize(("which", "field"), [("layout", "block_size"), ("record", "digests")])
+def test_records_written_by_another_version_fail_the_job_typed_and_publish_nothing(
+    tmp_path: Path, which: str, field: str
+) -> None:
+    source = _source(tmp_path, "safetensors")
+    out = tmp_path / "out"
+    runner = _OlderRecords(out, which, field)
+    with pytest.raises(VerificationFailed, match="another version") as raised:
+        convert(source, str(out / "model.mdl"), to="cs-h5", parallelism=2, job_id=f"rolling-{which}", parts=runner)
+    assert "submit the job again" in raised.value.hint
+    assert not (out / "model.mdl").exists()
+    assert not (out / ".ckptconv-staging").exists()
+
+
 def test_sharded_torch_on_s3_holds_files_smaller_than_an_upload_part(tmp_path: Path, s3_bucket) -> None:
     # Each shard is under one upload part: the commit sends each whole, with its central directory.
     source = _source(tmp_path, "safetensors")

@@ -15,7 +15,7 @@ from ckptconv.engine.execute import (
     check_written,
     verify_output,
 )
-from ckptconv.engine.fanout.records import _part_uri, _read_doc
+from ckptconv.engine.fanout.records import _part_uri, _read_doc, check_layout, check_record
 from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.run import _fill_sha256, stage_manifest
@@ -44,11 +44,13 @@ def _commit(
     storage = layout.storage
     check_cancelled(cancelled)  # the parts may all have been recorded since the last look
     t1 = time.monotonic()
+    check_layout(doc)
     records = []
     for i, ranges in enumerate(doc["parts"]):
         record = _read_doc(storage, _part_uri(layout, i))
         if record is None:
             raise VerificationFailed(f"part {i} of {len(doc['parts'])} has no record; nothing was published")
+        check_record(record, i)
         if [r[:3] for r in record["ranges"]] != ranges:
             raise VerificationFailed(f"part {i} recorded other byte ranges than it was given")
         records.append(record)

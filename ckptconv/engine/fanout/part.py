@@ -21,7 +21,7 @@ from ckptconv.engine.execute import (
     check_written,
     value_digest,
 )
-from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri
+from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri, check_layout
 from ckptconv.engine.fanout.runner import PartRunner
 from ckptconv.engine.fanout.tail import HeldUpload, held_uri
 from ckptconv.engine.plan import Plan, Step
@@ -116,6 +116,7 @@ def run_part(
     layout, doc = _home(_layout(storage, target, staging, job_id))  # the attempt's own, or the one it adopted
     if doc is None:
         raise VerificationFailed("the fan-out layout is missing from staging (the attempt was discarded)")
+    check_layout(doc)
     if storage.exists(_part_uri(layout, index)):
         return False
     files = [FileLayout.from_dict(f) for f in doc["files"]]

@@ -13,12 +13,21 @@ import json
 from typing import Any
 
 from ckptconv.core.bounded import load_json
-from ckptconv.core.errors import ObjectNotFound
+from ckptconv.core.errors import ObjectNotFound, VerificationFailed
 from ckptconv.core.uri import basename, parent
 from ckptconv.engine.staging import _Layout
 from ckptconv.storage.base import Storage
 
 FANOUT_DIR = ".fanout"
+# The layout document's version, part of the plan key: an earlier fan-out of another version (a
+# local one whose parts recorded no blocks) is never adopted. Raised whenever a field this code
+# reads is added or changes meaning.
+LAYOUT_VERSION = 2
+# What this version reads of the layout document and of a part's record. In a rolling deploy a part
+# or a commit may meet either written by another version: a typed failure of the job, not a KeyError.
+_LAYOUT_FIELDS = ("files", "parts", "part_size", "block_size", "digests", "read_digests", "side_files")
+_RECORD_FIELDS = ("ranges", "uploaded", "digests", "read_digests")
+_OTHER_VERSION_HINT = "nothing was published; submit the job again once every worker runs the same version of ckptconv"
 
 
 def _doc_uri(layout: _Layout) -> str:
@@ -64,3 +73,26 @@ def _read_doc(storage: Storage, uri: str) -> dict[str, Any] | None:
         return load_json(storage.read_all(uri), what=uri)
     except ObjectNotFound:
         return None
+
+
+def check_layout(doc: dict[str, Any]) -> None:
+    """Refuse a layout document this version cannot read (another layout version, a field missing)."""
+    missing = [f for f in _LAYOUT_FIELDS if f not in doc]
+    if doc.get("version") != LAYOUT_VERSION or missing:
+        lacking = f", without {', '.join(repr(f) for f in missing)}" if missing else ""
+        raise VerificationFailed(
+            f"the fan-out layout was written by another version of ckptconv (layout version "
+            f"{doc.get('version')!r}{lacking}; this one reads version {LAYOUT_VERSION})",
+            hint=_OTHER_VERSION_HINT,
+        )
+
+
+def check_record(record: dict[str, Any], index: int) -> None:
+    """Refuse a part's record this version cannot read (a field missing)."""
+    missing = [f for f in _RECORD_FIELDS if f not in record]
+    if missing:
+        raise VerificationFailed(
+            f"part {index}'s record was written by another version of ckptconv (without "
+            f"{', '.join(repr(f) for f in missing)})",
+            hint=_OTHER_VERSION_HINT,
+        )

@@ -16,7 +16,15 @@ from ckptconv.core.version import __version__
 from ckptconv.engine.execute import CancelFn, ProgressFn, ProgressReporter, check_cancelled, value_digest
 from ckptconv.engine.fanout.commit import _commit
 from ckptconv.engine.fanout.part import _reading, compute, run_part
-from ckptconv.engine.fanout.records import _adopt, _doc_uri, _gaps_uri, _home, _part_uri, _read_doc
+from ckptconv.engine.fanout.records import (
+    LAYOUT_VERSION,
+    _adopt,
+    _doc_uri,
+    _gaps_uri,
+    _home,
+    _part_uri,
+    _read_doc,
+)
 from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
 from ckptconv.engine.fanout.split import grid_part_size, local_block_size, split_parts
 from ckptconv.engine.plan import Plan
@@ -33,9 +41,6 @@ log = logging.getLogger(__name__)
 
 FANOUT_FORMATS = ("safetensors", "cs-h5", "torch", "tf", "cs-s3")
 POLL_SECONDS = 0.2
-# The layout document's version, part of the plan key: an earlier fan-out of another version (a
-# local one whose parts recorded no blocks) is never adopted.
-LAYOUT_VERSION = 2
 
 
 def _prepare(
