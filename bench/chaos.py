@@ -547,7 +547,7 @@ def audit(stack: Stack, api: Api, jobs: list[str], prefix: str, report: dict[str
                 except Exception:
                     overwritten += 1
                     continue
-                if not holds_output(data, o):  # sha256, or the block digest of a file written out of order
+                if not holds_output(data, o):  # its digest, or the block digest of a file written out of order
                     overwritten += 1
             manifest = json.loads(read(stack, key_of(stack, job["result"]["manifest"])))
             if manifest.get("job_id") != job_id:

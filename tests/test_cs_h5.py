@@ -859,7 +859,7 @@ def test_blocks_not_hashed_as_written_are_read_back_while_fsync_waits(tmp_path, 
     assert seen[0] is True  # the file's own fsync (the directory's follows at publication)
     with open(out, "rb") as f:
         _, blocks = file_digests(f, DEFAULT_BLOCK_SIZE)
-    assert written.blocks == {"block_size": DEFAULT_BLOCK_SIZE, "sha256": blocks}
+    assert written.blocks == {"block_size": DEFAULT_BLOCK_SIZE, "blake3": blocks}
 
 
 def test_a_local_contiguous_value_is_written_and_hashed_in_pieces(tmp_path, monkeypatch) -> None:
@@ -895,4 +895,4 @@ def test_a_local_contiguous_value_is_written_and_hashed_in_pieces(tmp_path, monk
     assert sorted(writes) == sorted(hashed) == sorted([WRITE_PIECE_BYTES] * 3 + [rest, 7 * 4])
     with open(out, "rb") as f:
         _, blocks = file_digests(f, DEFAULT_BLOCK_SIZE)
-    assert written.blocks == {"block_size": DEFAULT_BLOCK_SIZE, "sha256": blocks}
+    assert written.blocks == {"block_size": DEFAULT_BLOCK_SIZE, "blake3": blocks}

@@ -199,8 +199,8 @@ def test_submit_form_dry_run_and_detail(service: Service, page) -> None:
     detail = page.locator("#detail")
     detail.locator("code.sha").first.wait_for()
     shown = detail.locator("code.sha").all_text_contents()
-    # A file streamed out of order to S3 shows its block digest (sha256 is null then).
-    assert shown == [o["sha256"] or o["sha256_blocks"]["sha256"] for o in job["result"]["outputs"]]
+    # A file streamed out of order to S3 shows its block digest (its blake3 is null then).
+    assert shown == [o["blake3"] or o["blake3_blocks"]["blake3"] for o in job["result"]["outputs"]]
     assert job["result"]["manifest"] in detail.text_content()
     assert "7 tensors" in detail.text_content()  # the plan's totals
 

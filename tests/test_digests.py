@@ -1,16 +1,26 @@
-"""The block digest: hashed out of order as parts go out, equal to what the documented command prints."""
+"""Output digests (BLAKE3) and the block digest: hashed out of order as parts go out, equal to what
+the documented command prints; entries of earlier versions (sha256) still check."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
 import subprocess
 
+import blake3
 import pytest
 
-from ckptconv.storage.digests import BlockHasher, WrittenBlocks, combine, file_digests, holds_output
+from ckptconv.storage.digests import (
+    ALGORITHM,
+    BlockHasher,
+    WrittenBlocks,
+    combine,
+    digest_facts,
+    entry_digests,
+    file_digests,
+    holds_output,
+)
 
 BLOCK = 1 << 16
 
@@ -23,10 +33,11 @@ def test_blocks_hashed_in_any_order_give_the_digest_of_one_read(size):
     for start in reversed(range(0, size, 2 * BLOCK)):
         hasher.add(start, data[start : start + 2 * BLOCK])
     whole, blocks = file_digests(io.BytesIO(data), BLOCK)
-    assert whole == hashlib.sha256(data).hexdigest()
+    assert ALGORITHM == "blake3" and whole == blake3.blake3(data).hexdigest()
     assert hasher.digest(size) == blocks
-    expected = [hashlib.sha256(data[i : i + BLOCK]).hexdigest() for i in range(0, size, BLOCK)]
-    assert blocks == combine(expected)
+    expected = [blake3.blake3(data[i : i + BLOCK]).hexdigest() for i in range(0, size, BLOCK)]
+    assert blocks == combine(expected) == blake3.blake3("".join(h + "\n" for h in expected).encode()).hexdigest()
+    assert hasher.to_dict(size) == {"block_size": BLOCK, "blake3": blocks}
 
 
 def test_a_file_written_partly_unseen_gets_the_digest_of_one_read(tmp_path):
@@ -61,7 +72,7 @@ def test_a_file_written_partly_unseen_gets_the_digest_of_one_read(tmp_path):
         digest = written.finish(fd, size)
     finally:
         os.close(fd)
-    assert digest == {"block_size": BLOCK, "sha256": file_digests(io.BytesIO(bytes(data)), BLOCK)[1]}
+    assert digest == {"block_size": BLOCK, "blake3": file_digests(io.BytesIO(bytes(data)), BLOCK)[1]}
 
 
 def test_a_block_never_hashed_is_an_error_not_a_digest():
@@ -75,30 +86,50 @@ def test_a_block_never_hashed_is_an_error_not_a_digest():
 
 
 @pytest.mark.skipif(shutil.which("split") is None, reason="coreutils split is not installed")
-def test_the_documented_coreutils_command_prints_the_block_digest(tmp_path):
+@pytest.mark.parametrize("algorithm, tool", [("blake3", "b3sum"), ("sha256", "sha256sum")])
+def test_the_documented_coreutils_command_prints_the_block_digest(tmp_path, algorithm, tool):
+    """b3sum (Debian package b3sum) for this version's entries, sha256sum for an earlier version's."""
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed")
     data = os.urandom(3 * BLOCK + 77)
     path = tmp_path / "model.mdl"
     path.write_bytes(data)
     out = subprocess.run(
-        f"split -b {BLOCK} --filter=sha256sum {path} | cut -c1-64 | sha256sum",
+        f"split -b {BLOCK} --filter={tool} {path} | cut -c1-64 | {tool}",
         shell=True,
         check=True,
         capture_output=True,
         text=True,
     ).stdout.split()[0]
-    assert out == file_digests(io.BytesIO(data), BLOCK)[1]
+    assert out == file_digests(io.BytesIO(data), BLOCK, algorithm)[1]
 
 
-def test_an_output_entry_is_held_by_its_sha256_or_its_block_digest():
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_an_output_entry_is_held_by_its_digest_or_its_block_digest(algorithm):
+    """Entries of this version (blake3) and of earlier ones (sha256, sha256_blocks) alike."""
     data = os.urandom(10_000)
-    whole, blocks = file_digests(io.BytesIO(data), 4096)
-    by_sha = {"size": len(data), "sha256": whole}
-    by_blocks = {"size": len(data), "sha256": None, "sha256_blocks": {"block_size": 4096, "sha256": blocks}}
-    assert holds_output(data, by_sha) and holds_output(data, by_blocks)
+    whole, blocks = file_digests(io.BytesIO(data), 4096, algorithm)
+    by_whole = {"size": len(data), **digest_facts(whole, None, algorithm)}
+    by_blocks = {"size": len(data), **digest_facts(None, {"block_size": 4096, algorithm: blocks}, algorithm)}
+    assert holds_output(data, by_whole) and holds_output(data, by_blocks)
     changed = data[:-1] + bytes([data[-1] ^ 1])
-    assert not holds_output(changed, by_sha) and not holds_output(changed, by_blocks)
-    assert not holds_output(data[:-1], by_sha)
-    assert not holds_output(data, {"size": len(data), "sha256": None})  # nothing to compare: not held
+    assert not holds_output(changed, by_whole) and not holds_output(changed, by_blocks)
+    assert not holds_output(data[:-1], by_whole)
+    assert not holds_output(data, {"size": len(data), algorithm: None})  # nothing to compare: not held
+    assert not holds_output(data, {"size": len(data)})
+
+
+def test_an_entry_names_its_hash_by_its_keys():
+    data = os.urandom(5000)
+    whole = blake3.blake3(data).hexdigest()
+    assert digest_facts(whole, None) == {"blake3": whole}
+    assert entry_digests({"uri": "x", "size": 5000, "blake3": whole}) == ("blake3", whole, None)
+    # A manifest written before BLAKE3: its sha256 is read as sha256, never taken for a BLAKE3.
+    old = {"uri": "x", "size": 5000, "sha256": None, "sha256_blocks": {"block_size": 4096, "sha256": "ab" * 32}}
+    assert entry_digests(old) == ("sha256", None, {"block_size": 4096, "sha256": "ab" * 32})
+    assert not holds_output(data, {"size": 5000, "sha256": whole})
+    with pytest.raises(ValueError, match="names none"):
+        entry_digests({"uri": "x", "size": 1, "md5": "00"})
 
 
 def test_a_writers_share_of_a_file_is_the_blocks_it_wrote_whole():

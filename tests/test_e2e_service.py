@@ -198,7 +198,7 @@ def listing(bucket: str, prefix: str) -> dict[str, int]:
 
 
 def check_outputs(job: dict[str, Any], bucket: str, expected: dict[str, Any], fmt: str = "cs-h5") -> None:
-    """Every output is where the result says, with its size and sha256, and holds the source's tensors."""
+    """Every output is where the result says, with its size and digest, and holds the source's tensors."""
 
     import torch
 
@@ -373,8 +373,8 @@ def test_command_line_client_against_the_service(
     )
     assert out.returncode == 0, out.stderr
     assert "state:    succeeded" in out.stdout
-    # A streamed .mdl has a block digest, not a sha256: either is printed, never "None".
-    assert re.search(r"sha256(-blocks)?:[0-9a-f]{64}", out.stdout) and "None" not in out.stdout, out.stdout
+    # A streamed .mdl has a block digest, not a whole-file digest: either is printed, never "None".
+    assert re.search(r"blake3(-blocks)?:[0-9a-f]{64}", out.stdout) and "None" not in out.stdout, out.stdout
     assert "converting" in out.stderr  # the progress bar
 
     for name, value in env.items():

@@ -20,7 +20,7 @@ from ckptconv.formats import sink_class, source_class
 from ckptconv.formats.detect import open_source
 from ckptconv.formats.tree import flatten
 from ckptconv.storage import open_storage
-from ckptconv.storage.digests import holds_output
+from ckptconv.storage.digests import file_digests, holds_output
 
 CONTAINERS = ["cs-h5", "safetensors", "torch"]
 
@@ -97,7 +97,7 @@ def test_every_container_pair_round_trips(tmp_path: Path, src_fmt: str, dst_fmt:
     manifest = json.loads(Path(result.manifest).read_text())
     assert manifest["target"]["format"] == dst_fmt
     for f in manifest["files"]:
-        # its sha256, or the block digest of a file written out of order (a local H5 output)
+        # its digest, or the block digest of a file written out of order (a local H5 output)
         assert holds_output(Path(f["uri"]).read_bytes(), f), f
     assert not _staged_files(tmp_path)
 
@@ -168,6 +168,75 @@ def test_interrupted_publication_is_completed_by_a_retry(tmp_path: Path) -> None
 
 def _raise(*a, **k):
     raise RuntimeError("worker died")
+
+
+def _as_earlier_version(manifest: Path) -> dict:
+    """Rewrite a manifest as versions before BLAKE3 wrote it: each file's sha256, and for a file
+    written out of order (no whole-file digest) ``sha256_blocks`` instead."""
+    doc = json.loads(manifest.read_text())
+    # Its files' paths are relative to the directory the manifest's own path is (the staging area's
+    # or the target's parent).
+    base = next(d for d in manifest.parents if (d / doc["files"][0]["path"]).exists())
+    for f in doc["files"]:
+        with open(base / f["path"], "rb") as data:
+            whole, blocks = file_digests(data, 1 << 16, "sha256")
+        had_blocks = f.pop("blake3_blocks", None) is not None
+        had_whole = f.pop("blake3") is not None
+        f["sha256"] = whole if had_whole else None
+        if had_blocks:
+            f["sha256_blocks"] = {"block_size": 1 << 16, "sha256": blocks}
+    manifest.write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def test_a_manifest_of_an_earlier_version_still_answers_a_redelivered_job(tmp_path: Path) -> None:
+    """A job published before digests were BLAKE3: its manifest names sha256 (a local H5 output's
+    block digest too) and a redelivery returns it as recorded, sha256 named as sha256."""
+    src = write_source(tmp_path, "safetensors")
+    out = tmp_path / "out.mdl"
+    first = convert(src, str(out), to="cs-h5", job_id="old-job")
+    assert [set(o) & {"blake3", "blake3_blocks"} for o in first.to_dict()["outputs"]] == [{"blake3", "blake3_blocks"}]
+    old = _as_earlier_version(Path(first.manifest))
+    again = convert(src, str(out), to="cs-h5", job_id="old-job")
+    entries = again.to_dict()["outputs"]
+    assert [(e["sha256"], e["sha256_blocks"]) for e in entries] == [
+        (f["sha256"], f["sha256_blocks"]) for f in old["files"]
+    ]
+    assert all("blake3" not in e and holds_output(Path(e["uri"]).read_bytes(), e) for e in entries)
+    assert engine.end_unpublished(str(out), "old-job")["outputs"] == entries
+
+
+def test_an_interrupted_publication_of_an_earlier_version_checks_its_sha256(tmp_path: Path) -> None:
+    """A staged manifest written before BLAKE3 (sha256), its publication interrupted after a file
+    was placed: the retry checks the placed file against its sha256 and completes; a file that
+    differs is never taken for the staged one."""
+    src = write_source(tmp_path, "safetensors")
+    for name, tamper in (("out", False), ("bad", True)):
+        out = tmp_path / name
+        real_publish = engine._publish
+        with pytest.raises(RuntimeError):
+            engine._publish = _raise  # type: ignore[assignment]
+            try:
+                convert(src, str(out), to="safetensors", job_id=f"old-{name}")
+            finally:
+                engine._publish = real_publish  # type: ignore[assignment]
+        [staged_manifest] = [p for p in _staged_files(tmp_path) if p.name.endswith("manifest.json") and name in str(p)]
+        doc = _as_earlier_version(staged_manifest)
+        data = next(f for f in doc["files"] if f["role"] == "data")
+        placed = Path(data["uri"])
+        placed.parent.mkdir(parents=True)
+        staged = next(d / data["path"] for d in staged_manifest.parents if (d / data["path"]).exists())
+        raw = bytearray(staged.read_bytes())
+        if tamper:
+            raw[-1] ^= 1
+        placed.write_bytes(bytes(raw))  # the file the interrupted publication had placed
+        if tamper:
+            with pytest.raises(TargetExists):
+                convert(src, str(out), to="safetensors", job_id=f"old-{name}")
+            continue
+        result = convert(src, str(out), to="safetensors", job_id=f"old-{name}")
+        assert [o.algorithm for o in result.outputs] == ["sha256"] * len(doc["files"])
+        assert_same(read_all(src), read_all(str(out)))
 
 
 def test_verification_catches_corrupted_output(tmp_path: Path) -> None:

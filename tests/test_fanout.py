@@ -9,7 +9,6 @@ publishing once, and a cancelled fan-out leaving neither files nor multipart upl
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import threading
@@ -34,7 +33,7 @@ from ckptconv.formats.detect import open_source
 from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import OWNER_METADATA
-from ckptconv.storage.digests import holds_output
+from ckptconv.storage.digests import hex_digest, holds_output
 from ckptconv.storage.local import LocalStorage
 
 MiB = 1 << 20
@@ -81,30 +80,29 @@ def _single(source: str, target: str, to: str, **sink_options: object) -> list[s
 
 
 def _sha(uri: str) -> str:
-    return hashlib.sha256(open_storage(uri).read_all(uri)).hexdigest()
+    return hex_digest(open_storage(uri).read_all(uri))
 
 
 def _checksummed(o: OutputFile) -> bool:
-    """The output's recorded checksum (its sha256, or the block digest of a file uploaded in parts) is its bytes'."""
-    entry = {"size": o.size, "sha256": o.sha256, "sha256_blocks": o.blocks}
-    return holds_output(open_storage(o.uri).read_all(o.uri), entry)
+    """The output's recorded checksum (its digest, or the block digest of a file uploaded in parts) is its bytes'."""
+    return holds_output(open_storage(o.uri).read_all(o.uri), o.facts())
 
 
 def _block_digested(outputs: list[OutputFile], expected: list[str]) -> None:
-    """A local fan-out's outputs are the single worker's bytes (``expected``, their sha256s): each
-    data file recorded with the block digest its parts hashed, each other file with its sha256."""
+    """A local fan-out's outputs are the single worker's bytes (``expected``, their digests): each
+    data file recorded with the block digest its parts hashed, each other file with its digest."""
     assert [_sha(o.uri) for o in outputs] == expected
     for o, sha in zip(outputs, expected, strict=True):
         if o.role == "data":
-            assert o.sha256 is None and o.blocks is not None and _checksummed(o), o
+            assert o.digest is None and o.blocks is not None and _checksummed(o), o
         else:
-            assert o.sha256 == sha, o
+            assert o.digest == sha, o
 
 
 def _output_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
     """Every read of a local file from here on: its name and how many bytes (inf: all of them)."""
     reads: list[tuple[str, float]] = []
-    read_into, open_reader, sha256 = LocalStorage.read_into, LocalStorage.open_reader, LocalStorage.sha256
+    read_into, open_reader, digest = LocalStorage.read_into, LocalStorage.open_reader, LocalStorage.digest
 
     def spy_read_into(self, uri, offset, buf):
         reads.append((Path(uri).name, len(buf)))
@@ -114,13 +112,13 @@ def _output_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
         reads.append((Path(uri).name, float("inf")))
         return open_reader(self, uri)
 
-    def spy_sha256(self, uri):
+    def spy_digest(self, uri, *args):
         reads.append((Path(uri).name, float("inf")))
-        return sha256(self, uri)
+        return digest(self, uri, *args)
 
     monkeypatch.setattr(LocalStorage, "read_into", spy_read_into)
     monkeypatch.setattr(LocalStorage, "open_reader", spy_open_reader)
-    monkeypatch.setattr(LocalStorage, "sha256", spy_sha256)
+    monkeypatch.setattr(LocalStorage, "digest", spy_digest)
     return reads
 
 
@@ -201,7 +199,7 @@ def test_fanned_out_s3_output_is_the_single_worker_output(source_fmt, to, name, 
     result = convert(remote, f"s3://{s3_bucket}/two/{name}", to=to, parallelism=2, job_id="fan-s3")
     assert [_sha(o.uri) for o in result.outputs] == expected
     # Not read back: the parts hashed the blocks they sent, and the commit composed the block digest.
-    assert [(o.sha256, o.blocks is not None) for o in result.outputs if o.role == "data"] == [(None, True)]
+    assert [(o.digest, o.blocks is not None) for o in result.outputs if o.role == "data"] == [(None, True)]
     assert all(_checksummed(o) for o in result.outputs)
     assert result.extras["parallelism"] == 2
     # Each part's process holds its part upload's buffers: the memory facts count them.
@@ -242,7 +240,7 @@ def test_a_full_verify_reads_a_local_fan_out_back_and_checks_its_blocks(
     source = _source(tmp_path, "safetensors")
     result = convert(source, str(tmp_path / "full" / "m.mdl"), to="cs-h5", parallelism=2, job_id="lf", verify="full")
     [data] = result.outputs
-    assert data.sha256 == _sha(data.uri) and data.blocks is not None and _checksummed(data)
+    assert data.digest == _sha(data.uri) and data.blocks is not None and _checksummed(data)
     assert result.verify["ok"] is True
     # A byte changed behind the parts' backs (after they hashed it) is found, and nothing is published.
     write_tails = commit.write_tails
@@ -266,7 +264,7 @@ def test_a_full_verify_reads_the_upload_back_once_and_checks_its_blocks(tmp_path
     source = _source(tmp_path, "safetensors")
     result = convert(source, f"s3://{s3_bucket}/full/m.mdl", to="cs-h5", parallelism=2, job_id="full", verify="full")
     [data] = result.outputs
-    assert data.sha256 == _sha(data.uri) and data.blocks is not None and _checksummed(data)
+    assert data.digest == _sha(data.uri) and data.blocks is not None and _checksummed(data)
     assert result.verify["ok"] is True
 
 
@@ -327,7 +325,8 @@ class _OlderRecords(InlineRunner):
             self._rewrite("part-00000.json")
 
 
-@pytest.mark.parametrize(("which", "field"), [("layout", "block_size"), ("record", "digests")])
+# A record without "digest": of a version whose block hashes were sha256.
+@pytest.mark.parametrize(("which", "field"), [("layout", "block_size"), ("record", "digests"), ("record", "digest")])
 def test_records_written_by_another_version_fail_the_job_typed_and_publish_nothing(
     tmp_path: Path, which: str, field: str
 ) -> None:
@@ -543,7 +542,7 @@ def test_an_lz4_h5_output_is_written_by_one_process(tmp_path: Path) -> None:
 
 
 def _objects(result, base: str) -> list[tuple[str, str, dict]]:
-    """Each output object of a cs-s3 checkpoint under ``base``: its name, sha256 and S3 user metadata
+    """Each output object of a cs-s3 checkpoint under ``base``: its name, digest and S3 user metadata
     (but the id of the job that placed it, which names each job's own)."""
     storage = open_storage(base)
 
@@ -628,11 +627,11 @@ def test_a_fan_out_that_only_moves_bytes_never_imports_torch(tmp_path: Path) -> 
     source = _source(tmp_path, "safetensors")
     expected = _single(source, str(tmp_path / "one" / "out.mdl"), "cs-h5")
     code = f"""
-import hashlib
 import sys
 from ckptconv.engine.convert import convert
+from ckptconv.storage.digests import hex_digest
 result = convert({source!r}, {str(tmp_path / "three" / "out.mdl")!r}, to="cs-h5", parallelism=3, job_id="fan-raw")
-print(hashlib.sha256(open(result.outputs[0].uri, "rb").read()).hexdigest())
+print(hex_digest(open(result.outputs[0].uri, "rb").read()))
 assert "torch" not in sys.modules, "the fan-out imported torch"
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
@@ -653,6 +652,40 @@ def test_a_cancel_after_the_last_part_is_recorded_publishes_nothing(tmp_path: Pa
         convert(source, str(out / "model.safetensors"), to="safetensors", parallelism=2, cancelled=cancelled)
     assert not (out / "model.safetensors").exists()
     assert not (out / ".ckptconv-staging").exists()
+
+
+def test_a_part_record_whose_blocks_are_in_another_hash_fails_the_commit_cleanly(tmp_path: Path, monkeypatch) -> None:
+    """A part whose record names another block hash than this version's is never merged with the
+    others' into a block digest: the commit fails and publishes nothing."""
+    from ckptconv.engine.fanout import commit
+
+    read_doc = commit._read_doc
+
+    def in_sha256(storage, uri):
+        doc = read_doc(storage, uri)
+        if doc is not None and Path(uri).name == "part-00001.json":
+            doc["digest"] = "sha256"
+        return doc
+
+    monkeypatch.setattr(commit, "_read_doc", in_sha256)
+    source = _source(tmp_path, "safetensors")
+    out = tmp_path / "out"
+    with pytest.raises(VerificationFailed, match=r"part 1's record .* \(block hashes in sha256, not blake3\)"):
+        convert(source, str(out / "model.mdl"), to="cs-h5", parallelism=2, job_id="old-part")
+    assert not (out / "model.mdl").exists()
+
+
+def test_a_part_refuses_a_layout_of_the_sha256_version(tmp_path: Path, monkeypatch) -> None:
+    """A layout of version 2 (block hashes in sha256): a part of this version does not write into
+    it (its blocks would be hashed in another hash than the other parts')."""
+    from ckptconv.engine.fanout import run
+
+    monkeypatch.setattr(run, "LAYOUT_VERSION", 2)  # what the layout says
+    source = _source(tmp_path, "safetensors")
+    out = tmp_path / "out"
+    with pytest.raises(VerificationFailed, match="layout version 2"):
+        convert(source, str(out / "model.mdl"), to="cs-h5", parallelism=2, job_id="old-layout")
+    assert not (out / "model.mdl").exists()
 
 
 @pytest.mark.parametrize("failing_part", [None, 2])

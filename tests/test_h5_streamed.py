@@ -7,7 +7,6 @@ or cancelled conversion must leave no multipart upload behind.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import zipfile
@@ -30,7 +29,7 @@ from ckptconv.formats import sink_class
 from ckptconv.formats.cs_h5 import CsH5Sink, CsH5Source
 from ckptconv.formats.safetensors_fmt import SafetensorsSource
 from ckptconv.storage import open_storage
-from ckptconv.storage.digests import file_digests
+from ckptconv.storage.digests import file_digests, hex_digest
 
 MiB = 1 << 20
 
@@ -107,16 +106,16 @@ def test_streamed_h5_gets_its_block_digest_without_being_read_back(s3_bucket, s3
             mp.setenv("AWS_ENDPOINT_URL", proxy.url)
             result = convert(str(st), uri)
     data = result.outputs[0]
-    assert data.uri == uri and data.sha256 is None
+    assert data.uri == uri and data.digest is None
     assert not [p for p in gets if "/digest/model.mdl" in p and "uploads" not in p]  # no read-back
     stored = open_storage(uri).read_all(uri)
-    assert data.blocks == {"block_size": 5 * MiB, "sha256": file_digests(io.BytesIO(stored), 5 * MiB)[1]}
+    assert data.blocks == {"block_size": 5 * MiB, "blake3": file_digests(io.BytesIO(stored), 5 * MiB)[1]}
     manifest = json.loads(open_storage(uri).read_all(result.manifest))
-    assert manifest["files"][0]["sha256_blocks"] == data.blocks and manifest["files"][0]["sha256"] is None
+    assert manifest["files"][0]["blake3_blocks"] == data.blocks and manifest["files"][0]["blake3"] is None
 
-    # verify: full reads it back once: the sha256 too, and the block digest checked against the bytes stored.
+    # verify: full reads it back once: the whole-file digest too, and the block digest checked against the bytes stored.
     full = convert(str(st), f"s3://{s3_bucket}/digest-full/model.mdl", verify="full")
-    assert full.outputs[0].sha256 == hashlib.sha256(stored).hexdigest()
+    assert full.outputs[0].digest == hex_digest(stored)
     assert full.outputs[0].blocks == data.blocks
 
 

@@ -7,7 +7,6 @@ Cerebras fixtures written by ``cstorch.save`` (their trees survive H5 -> safeten
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import subprocess
@@ -44,6 +43,7 @@ from ckptconv.formats.sharding import (
     split_by_size,
 )
 from ckptconv.storage import open_storage
+from ckptconv.storage.digests import hex_digest
 from ckptconv.storage.s3 import S3Storage
 from ckptconv.testing.format_tests import FormatTests
 
@@ -198,9 +198,7 @@ def test_single_file_is_what_safetensors_expects(tmp_path: Path) -> None:
     files = _write_state(str(out), state)
     path = out / "model.safetensors"
     assert [f.uri for f in files] == [str(path)] and files[0].size == path.stat().st_size
-    import hashlib
-
-    assert files[0].sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert files[0].digest == hex_digest(path.read_bytes())
     (n,) = struct.unpack("<Q", path.read_bytes()[:8])
     assert n % 8 == 0  # the data area starts 8-byte aligned, as safetensors pads it
     with safe_open(str(path), "pt") as f:
@@ -304,7 +302,7 @@ def test_file_hashes_match_the_bytes_written_when_large_writes_are_hashed_beside
     files = _write_state(str(tmp_path / "out"), state, shard_size=4 << 20)
     assert [f.role for f in files] == ["data", "data", "index"]
     for f in files:
-        assert f.sha256 == hashlib.sha256(Path(f.uri).read_bytes()).hexdigest(), f.uri
+        assert f.digest == hex_digest(Path(f.uri).read_bytes()), f.uri
 
 
 class _WriteSizes:
@@ -330,7 +328,7 @@ def test_a_large_write_to_a_local_file_goes_out_in_pieces_each_hashed_as_written
     w.writer = seen.writer
     [done] = outputs.commit()
     assert Path(uri).read_bytes() == b"head" + data
-    assert done.size == 4 + len(data) and done.sha256 == hashlib.sha256(b"head" + data).hexdigest()
+    assert done.size == 4 + len(data) and done.digest == hex_digest(b"head" + data)
     # Not one write of the whole: pieces that the page cache takes cheaply and the hash reads from cache.
     assert seen.sizes[0] == 4 and sum(seen.sizes[1:]) == len(data)
     assert len(seen.sizes) == 4 and max(seen.sizes) == WRITE_PIECE_BYTES
@@ -481,7 +479,7 @@ def test_s3_round_trip(s3_bucket: str, shard_size: int | None) -> None:
     entries, spec, values = entries_from_tree(tree)
     uri = f"s3://{s3_bucket}/ckpt"
     files = write_all(SafetensorsSink(open_storage(uri), uri, shard_size=shard_size), entries, spec, values)
-    assert all(f.uri.startswith(uri + "/") and f.sha256 for f in files)
+    assert all(f.uri.startswith(uri + "/") and f.digest for f in files)
     src = SafetensorsSource(open_storage(uri), uri)
     assert_same_tree(describe(load_tree(src)), describe(tree))
 
@@ -572,9 +570,9 @@ def test_a_source_shortened_during_a_conversion_is_corrupt_checkpoint_and_leaves
 
 
 def test_a_large_tensor_reaches_a_local_file_in_pieces_that_stay_cached(tmp_path: Path, monkeypatch) -> None:
-    """A large tensor goes to a local file in 1 MiB writes, each hashed for the file's sha256 while
+    """A large tensor goes to a local file in 1 MiB writes, each hashed for the file's digest while
     it is written: larger pieces leave the caches between the write's copy and the hash (4 MiB
-    ones tripled the system time of a 3 GB conversion). The file and its sha256 are unchanged."""
+    ones tripled the system time of a 3 GB conversion). The file and its digest are unchanged."""
     from ckptconv.engine.convert import convert
     from ckptconv.storage.local import LocalWriter
 
@@ -591,5 +589,5 @@ def test_a_large_tensor_reaches_a_local_file_in_pieces_that_stay_cached(tmp_path
     result = convert(str(tmp_path / "src.safetensors"), str(tmp_path / "out.safetensors"), to="safetensors")
     assert max(sizes) == 1 << 20 and sum(sizes) > 5 << 20
     out = tmp_path / "out.safetensors"
-    assert result.outputs[0].sha256 == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert result.outputs[0].digest == hex_digest(out.read_bytes())
     assert all(torch.equal(load_file(out)[k], v) for k, v in tensors.items())

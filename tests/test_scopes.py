@@ -178,7 +178,7 @@ def test_every_operation_is_checked_on_s3(s3_bucket: str) -> None:
             lambda: storage.read_into(outside, 0, bytearray(1)),
             lambda: storage.read_all(outside),
             lambda: storage.open_reader(outside),
-            lambda: storage.sha256(outside),
+            lambda: storage.digest(outside),
             lambda: storage.open_writer(f"s3://{s3_bucket}/other/new"),
             lambda: storage.write_bytes(outside, b"x", overwrite=True),
             lambda: storage.delete(outside),

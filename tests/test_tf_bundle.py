@@ -10,7 +10,6 @@ restores, the TF2 way, a checkpoint that went TensorFlow -> Cerebras H5 -> Tenso
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -67,6 +66,7 @@ from ckptconv.formats.tf_table import (
 )
 from ckptconv.formats.tree import flatten
 from ckptconv.storage import open_storage
+from ckptconv.storage.digests import hex_digest
 from ckptconv.testing.format_tests import FormatTests
 
 ATTACKS = Path(__file__).resolve().parent / "attacks"
@@ -369,7 +369,7 @@ def test_num_shards_balances_whole_tensors(tmp_path):
 
 def test_local_files_are_hashed_as_written(tmp_path):
     # Large tensors (written in pieces, hashed beside them) and small ones, over two data files with
-    # shard_by (both open at once): no file needs reading back for its sha256.
+    # shard_by (both open at once): no file needs reading back for its digest.
     values = {
         "big.a": sample("float32", (3 << 20,), 1),
         "small.a": sample("int8", (10,), 2),
@@ -380,7 +380,7 @@ def test_local_files_are_hashed_as_written(tmp_path):
     out = write_bundle(prefix, [tensor_entry(k, v) for k, v in values.items()], values, shard_by=["big.*"])
     assert [o.role for o in out] == ["data", "data", "index"]
     for o in out:
-        assert o.sha256 == hashlib.sha256(Path(o.uri).read_bytes()).hexdigest(), o.uri
+        assert o.digest == hex_digest(Path(o.uri).read_bytes()), o.uri
     src = TfSource(open_storage(prefix), prefix)
     assert all(raw_bytes(src.read(k)) == raw_bytes(v) for k, v in values.items())
 

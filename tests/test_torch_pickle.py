@@ -367,7 +367,7 @@ def test_s3_round_trip(s3_bucket: str, shard_size: int | None) -> None:
     tree = cerebras_style()
     uri = f"s3://{s3_bucket}/ckpt"
     files = write_tree(uri, tree, shard_size=shard_size)
-    assert all(f.uri.startswith(uri + "/") and f.sha256 for f in files)
+    assert all(f.uri.startswith(uri + "/") and f.digest for f in files)
     assert_same_tree(describe(load_tree(TorchSource(open_storage(uri), uri))), describe(tree))
 
 
@@ -472,16 +472,15 @@ def test_attack_generator_still_works(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not (tmp_path / make_tensor_attacks.MARKER).exists()
 
 
-def test_a_member_crc_is_computed_piece_by_piece_beside_the_sha256(tmp_path: Path, monkeypatch) -> None:
+def test_a_member_crc_is_computed_piece_by_piece_beside_the_digest(tmp_path: Path, monkeypatch) -> None:
     """A large tensor's CRC-32 is computed on each piece as it is written (while the other thread
-    hashes that piece for the file's sha256), not in a pass over the whole tensor first; the
+    hashes that piece for the file's digest), not in a pass over the whole tensor first; the
     archive's CRCs still hold and torch loads the tensors."""
-    import hashlib
-
     from isal import isal_zlib
 
     from ckptconv.engine.convert import convert
     from ckptconv.formats import sharding
+    from ckptconv.storage.digests import hex_digest
 
     monkeypatch.setattr(sharding, "WRITE_PIECE_BYTES", 1 << 20)
     tensors = {"big": torch.randn(1024, 1280), "small": torch.arange(10)}  # 5 MiB: five pieces
@@ -501,7 +500,7 @@ def test_a_member_crc_is_computed_piece_by_piece_beside_the_sha256(tmp_path: Pat
         assert z.testzip() is None  # every member's CRC-32, as zlib computes it
     loaded = torch.load(tmp_path / "out.bin", weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
-    assert result.outputs[0].sha256 == hashlib.sha256((tmp_path / "out.bin").read_bytes()).hexdigest()
+    assert result.outputs[0].digest == hex_digest((tmp_path / "out.bin").read_bytes())
 
 
 def test_a_checkpoint_written_from_tensors_bytes_never_imports_torch(tmp_path: Path) -> None:

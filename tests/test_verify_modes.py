@@ -36,9 +36,9 @@ def test_only_full_verification_reads_the_entries_again(s3_server, s3_bucket, mo
             )
         assert result.verify["ok"] and result.verify["mode"] == mode
         assert result.verify["entries_checked"] == 5
-        # The streamed H5 upload is written out of order: a block digest as written, its sha256 only
+        # The streamed H5 upload is written out of order: a block digest as written, its whole-file digest only
         # when full verification reads it back.
-        assert all(o.sha256 or (mode == "hashes" and o.blocks) for o in result.outputs)
+        assert all(o.digest or (mode == "hashes" and o.blocks) for o in result.outputs)
         reads[mode] = [p for p in gets if p.split("?")[0].endswith(".mdl") and "/.ckptconv-staging/" in p]
     # Nothing read back by default; the reopening and reading of every entry with verify: full.
     assert len(reads["hashes"]) == 0 < len(reads["full"]), reads

@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any
 
+from ckptconv.storage.digests import ALGORITHM, entry_digests
+
 
 def human_size(n: float | None) -> str:
     """Bytes in decimal units (``427.52 KB``); ``-`` when unknown."""
@@ -64,7 +66,7 @@ def print_result(result: dict[str, Any], as_json: bool) -> None:
         f"wrote {result['tensors']} tensors, {human_size(result['bytes'])} as {result['format']} to {result['target']}"
     )
     for o in result["outputs"]:
-        print(f"  {o['role']:<7} {o['uri']}  {human_size(o['size'])}  sha256 {(o['sha256'] or '')[:16]}")
+        print(f"  {o['role']:<7} {o['uri']}  {human_size(o['size'])}  {output_digest(o, width=16)}")
     print(f"  manifest {result['manifest']}")
     if verify.get("ok") and verify.get("mode") == "hashes":
         print(
@@ -80,3 +82,18 @@ def print_result(result: dict[str, Any], as_json: bool) -> None:
     t = result.get("timings") or {}
     if t:
         print("timings: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in t.items()))
+
+
+def output_digest(output: dict[str, Any], width: int | None = None) -> str:
+    """An output's digest as printed, named by its hash (``blake3:``; ``sha256:`` in a result of an
+    earlier version), or for a file written out of order (no digest) its block digest with the
+    block size it was computed over, as the manifest records it; ``width``: hex digits shown."""
+    try:
+        algorithm, digest, blocks = entry_digests(output)
+    except ValueError:
+        return f"{ALGORITHM}:-"
+    if digest:
+        return f"{algorithm}:{digest[:width]}"
+    if blocks:
+        return f"{algorithm}-blocks:{blocks[algorithm][:width]} ({human_size(blocks['block_size'])} blocks)"
+    return f"{algorithm}:-"

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from ckptconv.cli.output import human_size
+from ckptconv.cli.output import human_size, output_digest
 from ckptconv.client import Client
 from ckptconv.core.auth import create_key, generate_key, hash_key, list_keys, revoke_key
 from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest, NotFound
@@ -235,17 +235,6 @@ def _pairs(items: list[str], what: str, parse_json: bool = False) -> dict[str, A
 def _print_json(doc: Any) -> None:
     json.dump(doc, sys.stdout, indent=2)
     print()
-
-
-def output_digest(output: dict[str, Any]) -> str:
-    """An output's digest as printed: its sha256, or for a file written out of order (no sha256)
-    its block digest with the block size it was computed over, as the manifest records it."""
-    if output.get("sha256"):
-        return f"sha256:{output['sha256']}"
-    blocks = output.get("sha256_blocks")
-    if blocks:
-        return f"sha256-blocks:{blocks['sha256']} ({human_size(blocks['block_size'])} blocks)"
-    return "sha256:-"
 
 
 def _print_job(job: dict[str, Any]) -> None:

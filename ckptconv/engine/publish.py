@@ -29,7 +29,7 @@ from ckptconv.engine.staging import (
 )
 from ckptconv.formats.base import OutputFile
 from ckptconv.storage.base import Storage
-from ckptconv.storage.digests import stored_digests
+from ckptconv.storage.digests import entry_digests, stored_digests
 
 
 @dataclass
@@ -53,7 +53,7 @@ class ConvertResult:
             "target": self.target,
             "format": self.format,
             "job_id": self.job_id,
-            "outputs": [_file_facts(o) for o in self.outputs],
+            "outputs": [o.facts() for o in self.outputs],
             "manifest": self.manifest,
             "tensors": self.tensors,
             "bytes": self.bytes,
@@ -70,10 +70,7 @@ class ConvertResult:
         return cls(
             target=doc["target"]["uri"],
             format=doc["target"]["format"],
-            outputs=[
-                OutputFile(f["uri"], f["size"], f.get("sha256"), f.get("role", "data"), f.get("sha256_blocks"))
-                for f in doc["files"]
-            ],
+            outputs=[OutputFile.from_facts(f) for f in doc["files"]],
             manifest=manifest_uri,
             job_id=doc.get("job_id"),
             warnings=doc.get("warnings", []),
@@ -85,11 +82,6 @@ class ConvertResult:
             bytes=doc.get("bytes", 0),
             extras=doc.get("extras", {}),
         )
-
-
-def _file_facts(o: OutputFile) -> dict[str, Any]:
-    facts = {"uri": o.uri, "size": o.size, "sha256": o.sha256, "role": o.role}
-    return {**facts, "sha256_blocks": o.blocks} if o.blocks else facts
 
 
 def published(layout: _Layout, job_id: str) -> ConvertResult | None:
@@ -125,10 +117,11 @@ def _holds(storage: Storage, uri: str, entry: dict[str, Any]) -> bool:
             return False
     except ObjectNotFound:
         return False
-    if entry.get("sha256") is not None:
-        return storage.sha256(uri) == entry["sha256"]
-    blocks = entry.get("sha256_blocks")
-    return blocks is not None and stored_digests(storage, uri, blocks["block_size"])[1] == blocks["sha256"]
+    # In the hash the entry names: a manifest of an earlier version names sha256.
+    algorithm, digest, blocks = entry_digests(entry)
+    if digest is not None:
+        return storage.digest(uri, algorithm) == digest
+    return blocks is not None and stored_digests(storage, uri, blocks["block_size"], algorithm)[1] == blocks[algorithm]
 
 
 def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:

@@ -7,7 +7,7 @@ The flow of one conversion (DESIGN.md):
    (``<parent>/.ckptconv-staging/<job id>/<attempt>/``: see ``ckptconv.core.fencing``), hashing
    every value on the way;
 3. commit the sink (into staging), reopen what it wrote and compare every entry (``verify_output``);
-   compute each file's sha256 meanwhile (unless the sink hashed it while writing; a file written
+   compute each file's digest meanwhile (unless the sink hashed it while writing; a file written
    out of order gets the block digest of ``ckptconv.storage.digests`` instead, and only
    ``verify: full`` reads it back); write ``manifest.json`` into staging;
 4. publish: move every file to the target (hard link locally, server-side copy on S3), create-only
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -63,7 +62,7 @@ from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
-from ckptconv.storage.digests import stored_digests
+from ckptconv.storage.digests import hex_digest, stored_digests
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY
 
 log = logging.getLogger(__name__)
@@ -220,11 +219,11 @@ def run_plan(
         for rel, data in (extra_files or {}).items():
             uri = storage.join(layout.staging, rel)
             info = storage.write_bytes(uri, data)
-            outputs.append(OutputFile(uri, info.size, hashlib.sha256(data).hexdigest(), "config"))
+            outputs.append(OutputFile(uri, info.size, hex_digest(data), "config"))
         t1 = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptconv-sha256") as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptconv-digest") as pool:
             # File checksums read the staged files while verification re-reads the tensors.
-            hashed = pool.submit(_fill_sha256, storage, outputs, reread=mode == "full")
+            hashed = pool.submit(fill_digests, storage, outputs, reread=mode == "full")
             report = None
             if mode == "hashes":
                 reporter.stage("verifying", plan.tensors_total, plan.bytes_total)
@@ -301,17 +300,7 @@ def stage_manifest(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": source_facts(src),
         "target": {"uri": layout.target, "format": to},
-        "files": [
-            {
-                "uri": layout.final(o.uri),
-                "path": o.uri[len(layout.staging) + 1 :],
-                "size": o.size,
-                "sha256": o.sha256,
-                "role": o.role,
-                **({"sha256_blocks": o.blocks} if o.blocks else {}),
-            }
-            for o in outputs
-        ],
+        "files": [{**o.facts(), "uri": layout.final(o.uri), "path": o.uri[len(layout.staging) + 1 :]} for o in outputs],
         "tensors": plan.tensors_total,
         "bytes": plan.bytes_total,
         "verify": report.to_dict() if report else {"ok": None, "skipped": True},
@@ -350,25 +339,25 @@ def _manifest_uri(layout: _Layout, outputs: list[OutputFile]) -> str:
     return layout.manifest_candidates()[0 if inside else 1]
 
 
-def _fill_sha256(storage: Storage, outputs: list[OutputFile], *, reread: bool) -> list[OutputFile]:
-    """Every output's sha256, reading back the files whose sink did not hash them as written.
+def fill_digests(storage: Storage, outputs: list[OutputFile], *, reread: bool) -> list[OutputFile]:
+    """Every output's digest, reading back the files whose sink did not hash them as written.
 
     A file with a block digest (written out of order) is read back only when ``reread`` (``verify:
-    full``): then its sha256 is added and its block digest checked against the bytes stored.
+    full``): then its digest is added and its block digest checked against the bytes stored.
     """
     done = []
     for o in outputs:
-        if o.sha256 is None and o.blocks is None:
-            o = dataclasses.replace(o, sha256=storage.sha256(o.uri))
-        elif o.sha256 is None and reread:
+        if o.digest is None and o.blocks is None:
+            o = dataclasses.replace(o, digest=storage.digest(o.uri, o.algorithm))
+        elif o.digest is None and reread:
             assert o.blocks is not None
-            sha256, blocks = stored_digests(storage, o.uri, o.blocks["block_size"])
-            if blocks != o.blocks["sha256"]:
+            digest, blocks = stored_digests(storage, o.uri, o.blocks["block_size"], o.algorithm)
+            if blocks != o.blocks[o.algorithm]:
                 raise VerificationFailed(
                     f"{o.uri}: the stored bytes differ from those written (block digest {blocks},"
-                    f" {o.blocks['sha256']} as written)",
+                    f" {o.blocks[o.algorithm]} as written)",
                     uri=o.uri,
                 )
-            o = dataclasses.replace(o, sha256=sha256)
+            o = dataclasses.replace(o, digest=digest)
         done.append(o)
     return done

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype
 from ckptconv.storage.base import streaming_buffer_bytes
+from ckptconv.storage.digests import ALGORITHM, digest_facts, entry_digests
 
 if TYPE_CHECKING:
     import numpy as np
@@ -159,11 +160,29 @@ class OpaqueObject:
 class OutputFile:
     uri: str
     size: int
-    sha256: str | None = None
+    # The file's hex digest (``algorithm``: ckptconv.storage.digests), or None for a file written out
+    # of order, whose digest would need a second read.
+    digest: str | None = None
     role: str = "data"  # data | index | config | manifest
-    # The block digest ({"block_size", "sha256"}: ckptconv.storage.digests) of a file written out of
-    # order, whose sha256 would need a second read.
+    # The block digest ({"block_size", <algorithm>}) of a file written out of order.
     blocks: dict[str, Any] | None = None
+    # The hash of both: this version's, or an earlier one's in a manifest it published.
+    algorithm: str = ALGORITHM
+
+    def facts(self) -> dict[str, Any]:
+        """The file as a job result or manifest entry records it: uri, size, role and its digests."""
+        return {
+            "uri": self.uri,
+            "size": self.size,
+            "role": self.role,
+            **digest_facts(self.digest, self.blocks, self.algorithm),
+        }
+
+    @classmethod
+    def from_facts(cls, entry: dict[str, Any]) -> OutputFile:
+        """The file a manifest entry describes (written by this version or an earlier one)."""
+        algorithm, digest, blocks = entry_digests(entry)
+        return cls(entry["uri"], entry["size"], digest, entry.get("role", "data"), blocks, algorithm)
 
 
 class TensorSource(abc.ABC):

@@ -211,7 +211,7 @@ class ChunkWriter:
         # Every chunk is reported to ``written`` (hashed for the file's block digest) at its address,
         # on a thread of its own, in the order the chunks were written; its buffer is reused after.
         self._written = written
-        self._hash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5-sha256") if written else None
+        self._hash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5-digest") if written else None
         self._hashing: deque[tuple[Future[None], bytearray]] = deque()
         self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._buf_size = 0

@@ -8,7 +8,6 @@ records and ``__SUCCESS__`` are written at commit.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import uuid
@@ -57,7 +56,7 @@ from ckptconv.formats.layout import FileLayout, Span, gap_bytes
 from ckptconv.formats.tree import TreeSpec
 from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks, streaming_buffer_bytes
-from ckptconv.storage.digests import WrittenBlocks
+from ckptconv.storage.digests import WrittenBlocks, new_hash
 from ckptconv.storage.local import check_free_space, ensure_parent_dir, release_reserve, reserve_space
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
 
@@ -254,7 +253,7 @@ class CsH5Sink(CerebrasSink):
     def _hash_as_written(self) -> bool:
         """A local output of the fast or contiguous layout gets its block digest as it is written:
         we write (or hand HDF5) nearly every byte, and only the blocks holding HDF5's own metadata
-        are read back at commit, instead of the whole file for its sha256."""
+        are read back at commit, instead of the whole file for its digest."""
         return self._tmp_dir is None and not self.skeleton and self.chunking in ("fast", "contiguous")
 
     def _create(self, spec_text: str) -> None:
@@ -362,23 +361,23 @@ class CsH5Sink(CerebrasSink):
                     blocks = self._written.finish(fd, size)
         finally:
             os.close(fd)
-        sha256 = None
+        digest = None
         try:
             if self._tmp_dir is None:
                 self.storage.publish([(self._tmp_path, self.uri)])
             else:
                 # Hashed as it is uploaded: nobody has to read the object back for its checksum.
-                digest = hashlib.sha256()
+                h = new_hash()
                 with open(self._tmp_path, "rb") as src, self.storage.open_writer(self.uri) as w:
                     for block in read_blocks(src):
-                        digest.update(block)
+                        h.update(block)
                         w.write(block)
-                sha256 = digest.hexdigest()
+                digest = h.hexdigest()
         except BaseException:
             self.abort()
             raise
         self._cleanup_tmp()
-        return [OutputFile(self.uri, size, sha256, "data", blocks=blocks)]
+        return [OutputFile(self.uri, size, digest, "data", blocks=blocks)]
 
     def _abort(self) -> None:
         if getattr(self, "_placed_skeleton", False):

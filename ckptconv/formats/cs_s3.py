@@ -20,7 +20,6 @@ use. There is no atomic rename on S3: a reader tells a finished checkpoint by ``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -59,6 +58,7 @@ from ckptconv.formats.links import refuse_link_cycles
 from ckptconv.formats.memory import empty_tensor
 from ckptconv.formats.sharding import create_local_skeletons
 from ckptconv.formats.tree import TreeSpec
+from ckptconv.storage.digests import hex_digest
 
 log = logging.getLogger(__name__)
 
@@ -424,8 +424,8 @@ class CsS3Sink(CerebrasSink):
     def _upload(self, key: str, data: Any, md: dict[str, Any]) -> dict[str, Any]:
         uri = self.storage.join(self.prefix, key)
         size = self._put(uri, data, md)
-        sha = hashlib.sha256(data).hexdigest() if self.skeleton else None  # a side file of the fan-out
-        self._outputs.append(OutputFile(uri, size, sha, "data"))
+        digest = hex_digest(data) if self.skeleton else None  # a side file of the fan-out
+        self._outputs.append(OutputFile(uri, size, digest, "data"))
         return md
 
     # --- the layout, for outputs written by several processes (ckptconv.engine.fanout) --------------
@@ -466,7 +466,7 @@ class CsS3Sink(CerebrasSink):
         except BaseException:
             self.abort()
             raise
-        self._outputs.append(OutputFile(meta_uri, len(data), hashlib.sha256(data).hexdigest(), "index"))
+        self._outputs.append(OutputFile(meta_uri, len(data), hex_digest(data), "index"))
         self._started = False
         return [(f, b"") for f in self._laid_out]
 

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -32,6 +31,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.core.uri import basename, parent
 from ckptconv.formats.base import Entry, OutputFile, RawTensor, TensorSink
 from ckptconv.formats.links import link_root
+from ckptconv.storage.digests import new_hash
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, open_output_writer, upload_buffer_bytes
 
 if TYPE_CHECKING:
@@ -348,9 +348,8 @@ def create_local_skeletons(storage: Storage, files: list[FileLayout], heads: lis
             created.append(layout.uri)
 
 
-# Writes at least this large are hashed on another thread while they are written: hashlib and the
-# write both release the GIL, so on two cores a tensor costs max(hash, write) instead of their sum
-# (sha256 runs at well under a GB/s per core: a large share of a local conversion's time).
+# Writes at least this large are hashed on another thread while they are written: the hash and the
+# write both release the GIL, so on two cores a tensor costs max(hash, write) instead of their sum.
 BESIDE_HASH_BYTES = 1 << 20
 # A larger write to a local file goes out in pieces of this size, each hashed while it is
 # written: the write and the hash read each piece from the caches, where a whole tensor (up to
@@ -362,7 +361,8 @@ WRITE_PIECE_BYTES = 1 << 20
 
 
 class HashingWriter:
-    """A storage writer that computes the sha256 and size of what passes through it.
+    """A storage writer that computes the digest (``ckptconv.storage.digests``) and size of what
+    passes through it.
 
     ``hasher``: a one-thread pool that hashes large writes while the storage writes them;
     ``piece_bytes``: the most handed to the storage at once (a local file's writes), or None.
@@ -373,7 +373,7 @@ class HashingWriter:
     ) -> None:
         self.writer = writer
         self.role = role
-        self.sha256 = hashlib.sha256()
+        self.hash = new_hash()
         self.size = 0
         self._hasher = hasher
         self._piece = piece_bytes
@@ -384,11 +384,11 @@ class HashingWriter:
 
     def write(self, data: bytes | bytearray | memoryview, each: Callable[[memoryview], None] | None = None) -> None:
         """Write ``data``; ``each(piece)``, when given, runs on this thread on every piece once it
-        is written, while that piece's sha256 is computed on the other thread (a second checksum
-        the format needs, a zip member's CRC-32: beside the sha256 instead of after it)."""
+        is written, while that piece's digest is computed on the other thread (a second checksum
+        the format needs, a zip member's CRC-32: beside the digest instead of after it)."""
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
         if self._hasher is None or n < BESIDE_HASH_BYTES:
-            self.sha256.update(data)
+            self.hash.update(data)
             self.writer.write(data)
             if each is not None:
                 each(memoryview(data).cast("B"))
@@ -397,7 +397,7 @@ class HashingWriter:
             step = self._piece or n
             for at in range(0, n, step):
                 piece = view[at : at + step]
-                hashed = self._hasher.submit(self.sha256.update, piece)
+                hashed = self._hasher.submit(self.hash.update, piece)
                 try:
                     self.writer.write(piece)
                     if each is not None:
@@ -424,7 +424,7 @@ class OutputSet:
 
     def create(self, uri: str, role: str = "data", size: int | None = None) -> HashingWriter:
         if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest")
         writer = open_output_writer(self.storage, uri, size, concurrency=self.concurrency)
         # Pieces for a local file only: an upload cuts its parts from whatever it is given.
         piece = WRITE_PIECE_BYTES if self.storage.local_path(uri) is not None else None
@@ -445,7 +445,7 @@ class OutputSet:
         except BaseException:
             self.abort()
             raise
-        self.done.append(OutputFile(w.uri, w.size, w.sha256.hexdigest(), w.role))
+        self.done.append(OutputFile(w.uri, w.size, w.hash.hexdigest(), w.role))
 
     def commit(self) -> list[OutputFile]:
         """Commit the files still open; every file written, in order."""

@@ -18,7 +18,6 @@ are also written as scalar tensors so TensorFlow sees them.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import sys
 import uuid
@@ -65,6 +64,7 @@ from ckptconv.formats.tf_proto import (
 )
 from ckptconv.formats.tf_table import build_table, crc32c_extend, mask_crc
 from ckptconv.formats.tree import DICT, ODICT, TreeSpec
+from ckptconv.storage.digests import hex_digest
 
 if TYPE_CHECKING:
     from ckptconv.storage.base import Storage, Writer
@@ -92,7 +92,7 @@ class _ShardState:
     final: str
     writer: Writer | LayoutRecorder
     size: int = 0
-    hashed: HashingWriter | None = None  # a local data file: its sha256, computed as it is written
+    hashed: HashingWriter | None = None  # a local data file: its digest, computed as it is written
 
 
 class TfSink(TensorSink):
@@ -277,9 +277,9 @@ class TfSink(TensorSink):
         shard = _ShardState(index, staged, final, writer)
         if self.storage.local_path(staged) is not None:
             # Hashed as written, in pieces read from the caches by both the write and the hash:
-            # otherwise the engine reads the whole file back for its sha256 once it is written.
+            # otherwise the engine reads the whole file back for its digest once it is written.
             if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tf-sha256")
+                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tf-digest")
             shard.hashed = HashingWriter(writer, "data", self._hasher, WRITE_PIECE_BYTES)
         self._open[index] = shard
         return shard
@@ -368,10 +368,8 @@ class TfSink(TensorSink):
             self._delete_staged()
             raise
         self._finished = True
-        out = [
-            OutputFile(s.final, s.size, s.hashed.sha256.hexdigest() if s.hashed else None, "data") for s in self._done
-        ]
-        out.append(OutputFile(idx_final, len(table), hashlib.sha256(table).hexdigest(), "index"))
+        out = [OutputFile(s.final, s.size, s.hashed.hash.hexdigest() if s.hashed else None, "data") for s in self._done]
+        out.append(OutputFile(idx_final, len(table), hex_digest(table), "index"))
         return out
 
     # -- the layout, for outputs written by several processes (ckptconv.engine.fanout) -----------

@@ -99,7 +99,7 @@ class ZipStreamWriter:
             self._crc = isal_zlib.crc32(piece, self._crc)
 
         # The CRC is computed piece by piece as the output writes them (HashingWriter: beside
-        # the file's sha256, from the caches), not in a pass over the whole value first.
+        # the file's digest, from the caches), not in a pass over the whole value first.
         self.out.write(data, each=crc)
         n = data.nbytes if isinstance(data, memoryview) else len(data)
         self._written += n

@@ -3,7 +3,7 @@
 A handler module offers:
 
 - ``run(ctx: JobContext) -> dict``: do the job; return a JSON-able result (``outputs`` as
-  ``[{uri, size, sha256, role}]``, ``manifest``, ``warnings``, and ``bytes`` for the metrics, when they
+  ``[{uri, size, role, blake3}]``, ``manifest``, ``warnings``, and ``bytes`` for the metrics, when they
   apply). Call ``ctx.progress`` as work advances and poll ``ctx.cancelled()`` between units of work;
   when it returns True, clean up and raise :class:`~ckptconv.core.errors.Cancelled`. Raise ckptconv
   errors for anything a user caused. ``run`` must be idempotent for a given ``ctx.job_id``: a job is
@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.jobs.kinds import JobKind, get_kind
 from ckptconv.storage import open_storage
+from ckptconv.storage.digests import digest_facts
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,13 @@ def plan(ctx: JobContext) -> dict[str, Any]:
 
 
 def describe_outputs(uris: list[str], role: str = "data") -> list[dict[str, Any]]:
-    """``[{uri, size, sha256, role}]`` of files a handler wrote without the engine (which checksums its own)."""
+    """``[{uri, size, role, blake3}]`` of files a handler wrote without the engine (which checksums its own)."""
     out = []
     for uri in uris:
         storage = open_storage(uri)
-        out.append({"uri": uri, "size": storage.stat(uri).size, "sha256": storage.sha256(uri), "role": role})
+        out.append(
+            {"uri": uri, "size": storage.stat(uri).size, "role": role, **digest_facts(storage.digest(uri), None)}
+        )
     return out
 
 

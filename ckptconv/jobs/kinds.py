@@ -10,7 +10,7 @@ Adding a kind is two steps and nothing else:
    fields that name storage locations are typed :data:`StorageUri`, so API keys' prefix scopes
    apply to them too);
 2. the handler module, offering ``run(ctx: ckptconv.jobs.JobContext) -> dict`` (a JSON-able result,
-   ideally with ``outputs`` ``[{uri, size, sha256, role}]``, ``manifest`` and ``warnings``), and
+   ideally with ``outputs`` ``[{uri, size, role, blake3}]``, ``manifest`` and ``warnings``), and
    optionally ``plan(ctx) -> dict`` for ``POST /v1/plans``.
 
 The API builds its request schema (a union discriminated by ``kind``), ``GET /v1/kinds`` and the

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import abc
 import collections
-import hashlib
 import io
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ckptconv.core.errors import ObjectNotFound
+from ckptconv.storage.digests import ALGORITHM, new_hash
 from ckptconv.storage.ranges import check_range
 
 BLOCK_SIZE = 8 << 20
@@ -155,13 +155,14 @@ class Storage(abc.ABC):
     def open_reader(self, uri: str) -> BinaryIO:
         """A seekable, read-only binary file object over the object."""
 
-    def sha256(self, uri: str, block_size: int = BLOCK_SIZE) -> str:
-        """Hex SHA-256 of the object, read in blocks through two reused buffers: the next block is
-        read on another thread while this one is hashed (both release the GIL), so hashing a file
-        costs about the longer of the two, not their sum."""
-        h = hashlib.sha256()
+    def digest(self, uri: str, algorithm: str = ALGORITHM, block_size: int = BLOCK_SIZE) -> str:
+        """Hex digest of the object (its output digest: ``ckptconv.storage.digests``), read in blocks
+        through two reused buffers: the next block is read on another thread while this one is
+        hashed (both release the GIL), so hashing a file costs about the longer of the two, not
+        their sum."""
+        h = new_hash(algorithm)
         buffers = (bytearray(block_size), bytearray(block_size))
-        with self.open_reader(uri) as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-read") as pool:
+        with self.open_reader(uri) as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest-read") as pool:
             current = 0
             n = f.readinto(buffers[current])
             while n:

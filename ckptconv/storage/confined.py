@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 
 from ckptconv.core.scopes import Scopes
 from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, Storage, Writer
+from ckptconv.storage.digests import ALGORITHM
 
 _scopes: contextvars.ContextVar[Scopes | None] = contextvars.ContextVar("ckptconv_storage_scopes", default=None)
 _default: Scopes | None = None
@@ -110,9 +111,9 @@ class ConfinedStorage(Storage):
         self._check(uri)
         return self.inner.open_reader(uri)
 
-    def sha256(self, uri: str, block_size: int = 8 << 20) -> str:
+    def digest(self, uri: str, algorithm: str = ALGORITHM, block_size: int = 8 << 20) -> str:
         self._check(uri)
-        return self.inner.sha256(uri, block_size)
+        return self.inner.digest(uri, algorithm, block_size)
 
     def open_writer(
         self, uri: str, *, overwrite: bool = False, part_size: int = STREAM_PART_SIZE, **extra: Any

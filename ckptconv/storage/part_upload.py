@@ -91,7 +91,7 @@ class PartUpload:
         # Every part is hashed as it is sent (the grid's parts are multiples of part_size), so the
         # block digest of what this upload sent is known without reading it back (storage/digests.py).
         # A caller that checksums the object otherwise (a file written front to back gets its
-        # sha256 as it is written) asks for none: hashing every byte again costs a CPU second per GB.
+        # digest as it is written) asks for none: hashing every byte again costs CPU for nothing.
         self.blocks = BlockHasher(part_size)
         self._block_digest = block_digest
 
@@ -231,14 +231,10 @@ class PartUpload:
         }
         if s.part_checksums:
             kwargs["ChecksumAlgorithm"] = "CRC32"
-        # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
-        from ckptconv.storage.s3.client import signed_payload_sha256
-
         # Re-sending a part replaces it: safe to retry whatever happened to the earlier try.
-        r, signed = signed_payload_sha256(lambda: s._call(self.uri, s.client.upload_part, **kwargs))
+        r = s._call(self.uri, s.client.upload_part, **kwargs)
         if self._block_digest:
-            # Signed over plain HTTP, the part was hashed to sign it: the same hash of the same bytes.
-            self.blocks.add(self.part_bounds(number)[0], body, sha256=signed)
+            self.blocks.add(self.part_bounds(number)[0], body)
         part = {"PartNumber": number, "ETag": r["ETag"]}
         if s.part_checksums and r.get("ChecksumCRC32"):
             part["ChecksumCRC32"] = r["ChecksumCRC32"]
@@ -400,7 +396,7 @@ def open_output_writer(
     if storage.scheme == "s3":
         # The backend drives the multipart calls of this one object (a confined storage checks uri first).
         backend = storage.backend(uri)
-        # The file is hashed as it is written (its sha256): no block digest of its parts.
+        # The file is hashed as it is written (its digest): no block digest of its parts.
         upload = PartUpload(
             backend,  # type: ignore[arg-type]
             uri,

@@ -46,17 +46,26 @@ function el(tag, props = {}, ...children) {
   return node;
 }
 
-// A file written out of order carries a block digest instead of its sha256 (see the API's
-// OutputFile.sha256_blocks): show it with the block size it was computed over.
+// An output's digest, named by its hash: BLAKE3, or sha256 in a result recorded by an earlier
+// version (see the API's OutputFile). A file written out of order carries a block digest instead
+// (OutputFile.blake3_blocks): show it with the block size it was computed over.
+const DIGESTS = ["blake3", "sha256"];
 function digest(output) {
-  if (output.sha256) return el("code", { class: "sha", textContent: output.sha256 });
-  const blocks = output.sha256_blocks;
-  if (!blocks) return el("code", { class: "sha", textContent: "–" });
+  const algorithm = DIGESTS.find((a) => output[a] || output[`${a}_blocks`]);
+  if (!algorithm) return el("code", { class: "sha", textContent: "–" });
+  const blocks = output[`${algorithm}_blocks`];
   const cell = el("span");
-  cell.append(
-    el("code", { class: "sha", textContent: blocks.sha256 }),
-    el("span", { class: "muted", textContent: ` (block digest, ${bytes(blocks.block_size)} blocks)` }),
-  );
+  if (output[algorithm]) {
+    cell.append(
+      el("code", { class: "sha", textContent: output[algorithm] }),
+      el("span", { class: "muted", textContent: ` (${algorithm})` }),
+    );
+  } else {
+    cell.append(
+      el("code", { class: "sha", textContent: blocks[algorithm] }),
+      el("span", { class: "muted", textContent: ` (${algorithm} block digest, ${bytes(blocks.block_size)} blocks)` }),
+    );
+  }
   return cell;
 }
 
@@ -545,7 +554,7 @@ function renderDetail(job) {
     parts.push(
       el("h3", { textContent: "Outputs" }),
       table(
-        ["uri", "role", "size", "sha256"],
+        ["uri", "role", "size", "digest"],
         result.outputs.map((o) => [o.uri, o.role, bytes(o.size), digest(o)]),
       ),
     );

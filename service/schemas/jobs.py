@@ -101,16 +101,26 @@ class OutputFile(BaseModel):
 
     uri: str
     size: int
-    sha256: str | None = Field(
-        description="sha256 of the file; null for a file written out of order (see sha256_blocks) unless"
-        " the job ran with verify: full"
-    )
     role: str | None = None
+    blake3: str | None = Field(
+        default=None,
+        description="BLAKE3 (hex) of the file; null for a file written out of order (see blake3_blocks) unless"
+        " the job ran with verify: full",
+    )
+    blake3_blocks: dict[str, Any] | None = Field(
+        default=None,
+        description="block digest of a file written out of order: {block_size, blake3}, the BLAKE3 of the"
+        " lines '<BLAKE3 of each block_size-byte block>\\n'; with coreutils and b3sum:"
+        " split -b BLOCK_SIZE --filter=b3sum FILE | cut -c1-64 | b3sum",
+    )
+    sha256: str | None = Field(
+        default=None,
+        description="results recorded by versions before BLAKE3 digests: sha256 of the file, in place of blake3",
+    )
     sha256_blocks: dict[str, Any] | None = Field(
         default=None,
-        description="block digest of a file written out of order: {block_size, sha256}, the sha256 of the"
-        " lines '<sha256 of each block_size-byte block>\\n'; with coreutils:"
-        " split -b BLOCK_SIZE --filter=sha256sum FILE | cut -c1-64 | sha256sum",
+        description="results recorded by versions before BLAKE3 digests: the block digest in sha256"
+        " ({block_size, sha256}; split -b BLOCK_SIZE --filter=sha256sum FILE | cut -c1-64 | sha256sum)",
     )
 
 

@@ -23,18 +23,19 @@ flow (all of it inside the job's staging area, under the attempt that runs it, s
    checks each against the hash of its source as read (the executor's xxh3 digests), writes its
    bytes with positioned writes (a preallocated file) or as upload parts, and records
    ``.fanout/part-NNNNN.json``: its ranges with the xxh3 of their bytes, the value digests, the
-   sha256 of each block it wrote (locally each block it wrote whole, hashed right after writing
+   BLAKE3 of each block it wrote (locally each block it wrote whole, hashed right after writing
    it; on S3 each block of its upload parts, hashed as they are sent, the block size being the
    grid's part size) and its upload parts' ETags. A part whose record
-   exists is never run again; a part is deterministic (same ranges, same bytes), so a
+   exists is never run again; a record or layout of an earlier version (block hashes in sha256)
+   is refused, never merged; a part is deterministic (same ranges, same bytes), so a
    redelivered or taken-over part rewrites identical bytes.
 3. **commit** (the job's worker, fenced by its attempt): read every part record *from storage*
    (never from a task result), check their count and that their ranges tile every file, merge the
    digests (two parts that computed one value must agree) and compare them with the source's;
    write each file's tail from the CRCs the parts recorded; complete the uploads (create-only).
-   Every file's checksum is its block digest (``sha256_blocks``,
+   Every file's checksum is its block digest (``blake3_blocks``,
    :mod:`ckptconv.storage.digests`), composed from the block hashes of the parts and of the tail
-   without reading it back (``verify: full`` reads it back for its sha256 and checks the stored
+   without reading it back (``verify: full`` reads it back for its digest and checks the stored
    blocks). Then
    stage the manifest and publish as a single-worker run does (the manifest last). A commit run
    twice publishes once: the published manifest carries the job id.

@@ -18,7 +18,7 @@ from ckptconv.engine.execute import (
 from ckptconv.engine.fanout.records import _part_uri, _read_doc, check_layout, check_record
 from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
-from ckptconv.engine.run import _fill_sha256, stage_manifest
+from ckptconv.engine.run import fill_digests, stage_manifest
 from ckptconv.engine.staging import _Layout
 from ckptconv.formats import source_class
 from ckptconv.formats.base import OutputFile, TensorSource
@@ -89,10 +89,10 @@ def _commit(
         upload.complete_parts(parts, f.size)
         outputs.append(OutputFile(f.uri, f.size, None, "data", blocks=blocks))
     outputs += write_late_files(layout, doc, records, to)
-    outputs += [OutputFile(uri, size, sha, role) for uri, size, sha, role in doc["side_files"]]
+    outputs += [OutputFile(uri, size, digest, role) for uri, size, digest, role in doc["side_files"]]
     if mode == "full":
-        # Read back once: each file's sha256, and its stored bytes against the blocks written.
-        outputs = _fill_sha256(storage, outputs, reread=True)
+        # Read back once: each file's digest, and its stored bytes against the blocks written.
+        outputs = fill_digests(storage, outputs, reread=True)
         reopened = source_class(to)(storage, layout.sink_uri)
         try:
             report = verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)

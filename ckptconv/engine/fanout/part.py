@@ -33,7 +33,7 @@ from ckptconv.formats.memory import POOL
 from ckptconv.formats.sharding import WRITE_PIECE_BYTES
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
-from ckptconv.storage.digests import WrittenBlocks
+from ckptconv.storage.digests import ALGORITHM, WrittenBlocks
 from ckptconv.storage.local import LocalPatch
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, PartUpload
 
@@ -221,6 +221,7 @@ def run_part(
         "index": index,
         "ranges": recorded,
         "uploaded": uploaded,
+        "digest": ALGORITHM,  # the hash of "blocks"
         "blocks": blocks,
         "digests": digests,
         "read_digests": read_digests,

@@ -17,16 +17,17 @@ from ckptconv.core.errors import ObjectNotFound, VerificationFailed
 from ckptconv.core.uri import basename, parent
 from ckptconv.engine.staging import _Layout
 from ckptconv.storage.base import Storage
+from ckptconv.storage.digests import ALGORITHM
 
 FANOUT_DIR = ".fanout"
 # The layout document's version, part of the plan key: an earlier fan-out of another version (a
-# local one whose parts recorded no blocks) is never adopted. Raised whenever a field this code
-# reads is added or changes meaning.
-LAYOUT_VERSION = 2
+# local one whose parts recorded no blocks; 2: block hashes in sha256, not BLAKE3) is never adopted.
+# Raised whenever a field this code reads is added or changes meaning.
+LAYOUT_VERSION = 3
 # What this version reads of the layout document and of a part's record. In a rolling deploy a part
 # or a commit may meet either written by another version: a typed failure of the job, not a KeyError.
 _LAYOUT_FIELDS = ("files", "parts", "part_size", "block_size", "digests", "read_digests", "side_files")
-_RECORD_FIELDS = ("ranges", "uploaded", "digests", "read_digests")
+_RECORD_FIELDS = ("ranges", "uploaded", "digest", "digests", "read_digests")
 _OTHER_VERSION_HINT = "nothing was published; submit the job again once every worker runs the same version of ckptconv"
 
 
@@ -88,11 +89,18 @@ def check_layout(doc: dict[str, Any]) -> None:
 
 
 def check_record(record: dict[str, Any], index: int) -> None:
-    """Refuse a part's record this version cannot read (a field missing)."""
+    """Refuse a part's record this version cannot read (a field missing, its blocks hashed in
+    another hash than this version's: they cannot be merged into one block digest)."""
     missing = [f for f in _RECORD_FIELDS if f not in record]
     if missing:
         raise VerificationFailed(
             f"part {index}'s record was written by another version of ckptconv (without "
             f"{', '.join(repr(f) for f in missing)})",
+            hint=_OTHER_VERSION_HINT,
+        )
+    if record["digest"] != ALGORITHM:
+        raise VerificationFailed(
+            f"part {index}'s record was written by another version of ckptconv (block hashes in"
+            f" {record['digest']}, not {ALGORITHM})",
             hint=_OTHER_VERSION_HINT,
         )

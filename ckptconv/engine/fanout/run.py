@@ -35,6 +35,7 @@ from ckptconv.formats import sink_class, target_exists
 from ckptconv.formats.base import OutputFile, TensorSource
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
+from ckptconv.storage.digests import hex_digest
 from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def _prepare(
     for rel, data in extra_files.items():  # written whole, as a single-worker run writes them
         uri = storage.join(layout.staging, rel)
         storage.write_bytes(uri, data)
-        side.append(OutputFile(uri, len(data), hashlib.sha256(data).hexdigest(), "config"))
+        side.append(OutputFile(uri, len(data), hex_digest(data), "config"))
     layouts = [f for f, _ in files]
     remote = storage.local_path(layout.sink_uri) is None
     total = sum(f.size for f in layouts)
@@ -118,7 +119,7 @@ def _prepare(
         "part_size": part_size,
         "block_size": block_size,
         "files": described,
-        "side_files": [[o.uri, o.size, o.sha256, o.role] for o in side],
+        "side_files": [[o.uri, o.size, o.digest, o.role] for o in side],
         "parts": [[list(r) for r in p] for p in split_parts(layouts, parallelism, part_size, block_size)],
         "digests": digests,
         "read_digests": read_digests,

@@ -12,7 +12,6 @@ part, :class:`HeldUpload`) and the commit sends them with the tail as the upload
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any
 
 from ckptconv.core.errors import TargetExists, VerificationFailed
@@ -22,7 +21,7 @@ from ckptconv.formats import sink_class
 from ckptconv.formats.base import OutputFile
 from ckptconv.formats.layout import FileLayout, tail_bytes
 from ckptconv.storage.base import Storage
-from ckptconv.storage.digests import BlockHasher
+from ckptconv.storage.digests import BlockHasher, hex_digest
 from ckptconv.storage.local import LocalPatch
 from ckptconv.storage.part_upload import PartUpload
 
@@ -95,7 +94,7 @@ def write_late_files(layout: _Layout, doc: dict[str, Any], records: list[dict[st
         raise VerificationFailed(f"no part recorded the checksum of {e.args[0]!r}; nothing was published") from None
     for uri, data, role in files:
         layout.storage.write_bytes(uri, data, overwrite=True)  # a commit run again writes the same bytes
-        out.append(OutputFile(uri, len(data), hashlib.sha256(data).hexdigest(), role))
+        out.append(OutputFile(uri, len(data), hex_digest(data), role))
     return out
 
 
@@ -103,7 +102,7 @@ def write_tails(
     layout: _Layout, doc: dict[str, Any], records: list[dict[str, Any]]
 ) -> tuple[dict[int, list[dict[str, Any]]], dict[int, dict[int, str]]]:
     """Write the tail of every file that has one: the upload parts sent here, by file, and the
-    sha256 of the blocks hashed here (those the tail is in), by file. Two parts that computed one
+    digest of the blocks hashed here (those the tail is in), by file. Two parts that computed one
     CRC must agree."""
     crcs = merged_checksums(records)
     sent, blocks = {}, {}

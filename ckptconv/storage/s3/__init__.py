@@ -17,8 +17,8 @@ Guarantees on top of the :class:`~ckptconv.storage.base.Storage` contract:
   object's ETag tells (the MD5 of a put, the multipart ETag of a completed upload, the source's
   ETag of a copy), and then the write succeeded.
 - Writes are streaming multipart uploads (:mod:`.writer`); positioned parts of a known layout go
-  through :mod:`ckptconv.storage.part_upload`, which reuses its part buffers and takes each part's
-  block hash from the SigV4 signature when the part was signed with one (:func:`.client.note_signed_payload`).
+  through :mod:`ckptconv.storage.part_upload`, which reuses its part buffers and hashes each part's
+  blocks (the output's block digest) as it sends them.
 - Create-only commits (``overwrite=False``) send ``If-None-Match: *`` (atomic on AWS and MinIO)
   and also check with ``HeadObject`` first, because some servers ignore the header. Servers that
   reject the header get the check alone.

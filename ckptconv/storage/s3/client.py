@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import boto3
 import urllib3.exceptions
@@ -70,42 +68,6 @@ _TRANSPORT_ERRORS = (
     urllib3.exceptions.HTTPError,  # raised by body reads on the raw stream
     OSError,  # ConnectionResetError and friends from the socket itself
 )
-
-
-_T = TypeVar("_T")
-_HEX_SHA256 = re.compile(r"[0-9a-f]{64}")
-# Per thread: the payload sha256 the last UploadPart sent from this thread was signed with.
-_signed = threading.local()
-
-
-def note_signed_payload(client: Any) -> None:
-    """Have ``client``'s UploadPart requests tell :func:`signed_payload_sha256` the sha256 they signed.
-
-    SigV4 over plain HTTP (MinIO, Ceph and other stores on a private network) signs the sha256 of
-    every body: botocore hashes each part as it signs it, and the upload's block digest needs the
-    same hash of the same bytes. Over HTTPS the body is not hashed (``UNSIGNED-PAYLOAD``)."""
-    client.meta.events.register(
-        "before-send.s3.UploadPart", _remember_signed_payload, unique_id="ckptconv-signed-payload"
-    )
-
-
-def _remember_signed_payload(request: Any, **_: Any) -> None:
-    value = request.headers.get("X-Amz-Content-SHA256")
-    if isinstance(value, bytes):
-        value = value.decode("ascii", "replace")
-    # The header is the hex sha256 of the body, or a constant when the body is not signed.
-    _signed.sha256 = value if isinstance(value, str) and _HEX_SHA256.fullmatch(value) else None
-
-
-def signed_payload_sha256(call: Callable[[], _T]) -> tuple[_T, str | None]:
-    """``call()`` (UploadPart calls of a client given to :func:`note_signed_payload`, on this
-    thread) and the hex sha256 of the body its last request was signed with, or None when it was
-    sent unsigned."""
-    _signed.sha256 = None
-    try:
-        return call(), _signed.sha256
-    finally:
-        _signed.sha256 = None
 
 
 class TruncatedResponse(Exception):

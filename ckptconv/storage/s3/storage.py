@@ -27,7 +27,6 @@ from ckptconv.storage.s3.client import (
     error_code,
     make_client,
     not_implemented,
-    note_signed_payload,
     s3_errors,
     transient,
 )
@@ -69,7 +68,6 @@ class S3Storage(Storage):
         concurrency, part_size = read_settings()
         pool = MAX_POOL_CONNECTIONS + concurrency
         self.client = client if client is not None else make_client(endpoint_url, pool_connections=pool)
-        note_signed_payload(self.client)
         self.endpoint_url: str | None = self.client.meta.endpoint_url
         self.retry = RetryPolicy.from_env(max_attempts)
         self._gets = RangedGets(self.client, self._retried, concurrency=concurrency, part_size=part_size)
