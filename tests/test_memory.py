@@ -165,6 +165,41 @@ def test_the_pool_never_holds_more_than_its_cap_nor_lends_a_live_range_under_any
     assert pool.reused > 500
 
 
+def test_a_full_verification_holds_no_more_than_the_largest_value_and_leaves_the_pool_empty(tmp_path: Path) -> None:
+    """Reading the output back (verify "full") comes after the run's cap: the pool must be capped
+    there too, or the buffers of values of rising sizes (none fits in an earlier one's) pile up to
+    ``max_idle`` and stay in a worker after its job."""
+    from safetensors.torch import save_file
+
+    from ckptconv.engine.plan import identity_plan
+    from ckptconv.engine.run import run_plan
+    from ckptconv.formats import source_class
+    from ckptconv.formats.detect import open_source
+    from ckptconv.formats.memory import POOL
+
+    sizes = (4, 5, 6, 7)  # MiB, in the order written and read back
+    values = {f"w{i}": torch.full((n * MB // 4,), float(i)) for i, n in enumerate(sizes)}
+    save_file(values, str(tmp_path / "s.safetensors"))
+    held: list[int] = []
+
+    class Reopened(source_class("safetensors")):  # type: ignore[misc]
+        def read(self, key: str) -> object:
+            held.append(POOL.held_bytes)  # what the values read back before this one left held
+            return super().read(key)
+
+    POOL.clear()
+    src = open_source(str(tmp_path / "s.safetensors"))
+    try:
+        plan = identity_plan(src.entries(), src.spec)
+        result = run_plan(plan, src, to="safetensors", target=str(tmp_path / "out"), verify="full", reopen=Reopened)
+    finally:
+        src.close()
+    gc.collect()
+    assert result.verify["ok"] is True and len(held) == len(sizes)
+    assert max(held) <= max(sizes) * MB
+    assert POOL.held_bytes == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_allocator_bound_takes_effect() -> None:
     assert bound_allocator() is True

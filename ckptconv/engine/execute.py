@@ -386,40 +386,43 @@ def verify_output(
     reporter.stage("verifying", plan.tensors_total, plan.bytes_total)
     checked = 0
     nbytes = 0
-    for key, want in written.items():
-        if key not in got:
-            continue
-        check_cancelled(cancelled)
-        have = got[key]
-        if want.kind == "link":
-            if have.kind == "link":
-                if have.target != want.target:
-                    mismatches.append(f"{key}: links to {have.target!r}, expected {want.target!r}")
+    # The values read back take buffers of the pool as the run's did, after the run's cap is gone:
+    # capped the same way, it holds at most the largest value, and nothing once this returns.
+    with POOL.capped(plan.largest_entry_bytes()):
+        for key, want in written.items():
+            if key not in got:
                 continue
-            expected = digests.get(want.target or "")
-        else:
-            expected = digests.get(key)
-        ref = written.get(link_root(key, written), want)
-        if have.kind in ("tensor", "array") and (
-            have.dtype != ref.dtype or tuple(have.shape or ()) != tuple(ref.shape or ())
-        ):
-            mismatches.append(f"{key}: {have.dtype}{list(have.shape or ())} != {ref.dtype}{list(ref.shape or ())}")
-            continue
-        if have.kind == "link":
-            expected_target = digests.get(have.target or "")
-            if expected_target != expected:
-                mismatches.append(f"{key}: output links to {have.target!r} whose content differs")
-            continue
-        value = have.value if have.kind == "value" else reopened.read(key)
-        digest = value_digest(value)
-        if digest != expected:
-            mismatches.append(f"{key}: content differs from what was written")
-        checked += 1
-        size = value_nbytes(value)
-        nbytes += size
-        del value
-        if have.is_data:
-            reporter.advance(1, size)
+            check_cancelled(cancelled)
+            have = got[key]
+            if want.kind == "link":
+                if have.kind == "link":
+                    if have.target != want.target:
+                        mismatches.append(f"{key}: links to {have.target!r}, expected {want.target!r}")
+                    continue
+                expected = digests.get(want.target or "")
+            else:
+                expected = digests.get(key)
+            ref = written.get(link_root(key, written), want)
+            if have.kind in ("tensor", "array") and (
+                have.dtype != ref.dtype or tuple(have.shape or ()) != tuple(ref.shape or ())
+            ):
+                mismatches.append(f"{key}: {have.dtype}{list(have.shape or ())} != {ref.dtype}{list(ref.shape or ())}")
+                continue
+            if have.kind == "link":
+                expected_target = digests.get(have.target or "")
+                if expected_target != expected:
+                    mismatches.append(f"{key}: output links to {have.target!r} whose content differs")
+                continue
+            value = have.value if have.kind == "value" else reopened.read(key)
+            digest = value_digest(value)
+            if digest != expected:
+                mismatches.append(f"{key}: content differs from what was written")
+            checked += 1
+            size = value_nbytes(value)
+            nbytes += size
+            del value
+            if have.is_data:
+                reporter.advance(1, size)
     reporter.finish()
     return VerifyReport(not mismatches, checked, nbytes, mismatches)
 
