@@ -11,6 +11,8 @@ import pytest
 from tiny_models import tiny_llama as tiny_llama_model
 
 from ckptconv.cli import main
+from ckptconv.core.errors import InvalidRequest
+from ckptconv.jobs.kinds import get_kind
 
 ROOT = Path(__file__).resolve().parent.parent
 transformers = pytest.importorskip("transformers")
@@ -248,3 +250,38 @@ def test_h5_compression_of_a_model_conversion(
         ["convert-model", *back.split(), "--config", str(cs / "config_to_cs-2.9.yaml"), "--h5-compression", "lz4"]
     )
     assert rc == 2 and "h5_compression applies to cs-h5 outputs" in capsys.readouterr().err
+
+
+def test_a_model_conversion_dry_run_refuses_h5_compression_as_the_run_does(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dry run answers what the conversion would do: h5_compression for a Hugging Face output
+    (torch or safetensors, no cs-h5 file) is refused by the plan as by the run, typed."""
+    from ckptconv import jobs
+
+    base = ["--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", "--no-progress"]
+    assert main(["convert-model", str(tiny_llama), str(tmp_path / "cs"), *base]) == 0
+    capsys.readouterr()
+    mdl, cfg = tmp_path / "cs" / "model_to_cs-2.9.mdl", tmp_path / "cs" / "config_to_cs-2.9.yaml"
+    options = {"model": "llama", "src_fmt": "cs-2.9", "tgt_fmt": "hf", "config": str(cfg), "h5_compression": "lz4"}
+    for safetensors, written in ((False, "torch"), (True, "safetensors")):
+        request = {
+            "kind": "convert-model",
+            "source": {"uri": str(mdl)},
+            "target": {"uri": str(tmp_path / "hf")},
+            "options": {**options, "export_safetensors": safetensors},
+        }
+        with pytest.raises(InvalidRequest, match=f"h5_compression applies to cs-h5 outputs, not {written}"):
+            jobs.plan(jobs.context_from_request(request))
+        with pytest.raises(InvalidRequest, match=f"h5_compression applies to cs-h5 outputs, not {written}"):
+            jobs.handler(get_kind("convert-model")).run(jobs.context_from_request(request, "job-1"))
+    back = f"{mdl} {tmp_path / 'd'} --model llama --src-fmt cs-2.9 --tgt-fmt hf --config {cfg} --h5-compression lz4"
+    assert main(["convert-model", *back.split(), "--dry-run"]) == 2
+    assert "h5_compression applies to cs-h5 outputs" in capsys.readouterr().err
+    # A cs-h5 output takes it, in the dry run as in the run.
+    request = {
+        "kind": "convert-model",
+        "source": {"uri": str(tiny_llama)},
+        "options": {"model": "llama", "src_fmt": "hf", "tgt_fmt": "cs-2.9", "h5_compression": "lz4"},
+    }
+    assert jobs.plan(jobs.context_from_request(request))["ok"]

@@ -146,7 +146,7 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
     if args.dry_run or args.debug:
         src = open_model_source(args.source, options.model, options.src_fmt)
         try:
-            plan = plan_model(src, **layout_options(options))
+            plan = plan_model(src, export_safetensors=options.export_safetensors, **layout_options(options))
             sizes = {e.key: e.nbytes for e in src.entries()}
         finally:
             src.close()

@@ -46,6 +46,7 @@ def layout_options(o: Any) -> dict[str, Any]:
         "drop_unmatched_keys": o.drop_unmatched_keys,
         "fold_lora": o.fold_lora,
         "fold_mup": o.fold_mup,
+        "h5_compression": o.h5_compression,
     }
 
 
@@ -56,7 +57,6 @@ def _job_arguments(ctx: JobContext) -> dict[str, Any]:
         "dst": out_dir,
         "export_safetensors": safetensors,
         "hf_shard_size": ctx.options.hf_shard_size,
-        "h5_compression": ctx.options.h5_compression,
         "cancelled": ctx.cancelled,
         "job_id": ctx.job_id,
         "parts": ctx.parts,
@@ -107,11 +107,11 @@ def _simulate(ctx: JobContext, result: Any) -> dict[str, Any]:
 
 
 def plan(ctx: JobContext) -> dict[str, Any]:
-    out_dir, _ = _target(ctx)
+    out_dir, safetensors = _target(ctx)
     o = ctx.options
     src = open_model_source(ctx.source["uri"], o.model, o.src_fmt, ctx.source.get("format"))
     try:
-        p = plan_model(src, **layout_options(ctx.options))
+        p = plan_model(src, export_safetensors=safetensors, **layout_options(ctx.options))
         doc = p.to_dict(source_sizes={e.key: e.nbytes for e in src.entries()}, limit=1000)
         doc["target"] = planned_target(src, p, ctx.options.config, out_dir)
     finally:

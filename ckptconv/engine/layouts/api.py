@@ -185,19 +185,30 @@ def plan_model(
     src_fmt: str,
     tgt_fmt: str,
     config: str | Mapping[str, Any] | None = None,
+    export_safetensors: bool = False,
+    h5_compression: str = "none",
     **options: Any,
 ) -> Plan:
     """Dry run: the plan of a model conversion (matched, unmatched and dropped keys, the converted
-    config, warnings) from metadata only. Unmatched keys are listed, not raised."""
+    config, warnings) from metadata only. Unmatched keys are listed, not raised; options the
+    output's format refuses (``h5_compression`` for a Hugging Face output) are, as the run refuses them."""
     source, opened = _open(src, model, src_fmt)
     try:
         doc, _ = _config_for(source, config, src_fmt)
         plan, conf = build_plan(source, doc, _request(model, src_fmt, tgt_fmt, options), strict=False)
+        h5_compression_options(_output_format(plan, export_safetensors), h5_compression)
         _warn_unmapped_config_keys(plan, conf)
         return plan
     finally:
         if opened:
             source.close()
+
+
+def _output_format(plan: Plan, export_safetensors: bool) -> str:
+    """The container format a model conversion with ``plan`` writes."""
+    if plan.extras["target_format"] == "hf":
+        return "safetensors" if export_safetensors else "torch"
+    return "cs-h5"
 
 
 @dataclass
@@ -243,13 +254,12 @@ def model_output(
     tgt_node = plan.extras["target_format"]
     target, cfg_rel = output_names(source, cfg_uri, _target_label(plan), output_dir=dst)
     components = plan.extras.get("components")
+    to = _output_format(plan, export_safetensors)
     if tgt_node == "hf":
-        to = "safetensors" if export_safetensors else "torch"
         # The Model Zoo always writes shard names and an index, even for one shard.
         sink_options: dict[str, Any] = {"shard_size": hf_shard_size, "always_sharded": True}
         config_bytes = dump_hf_json(conf.target)
     else:
-        to = "cs-h5"
         sink_options = {"cstorch_version": f"{upgrades.release_of(tgt_node)}.0"}
         config_bytes = dump_cs_yaml(conf.target)
         if export_safetensors:
