@@ -7,6 +7,7 @@ The filesystems are small tmpfs mounts: the tests skip where mounting is not per
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ CHILD = textwrap.dedent(
     from ckptconv.engine.convert import convert
 
     source, target, fmt, mount, hook = sys.argv[1:6]
+    options = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}  # more of convert()'s options
     fmt, _, compression = fmt.partition("+")  # cs-h5+lz4: the LZ4-chunked layout
 
     def fill():
@@ -75,7 +77,7 @@ CHILD = textwrap.dedent(
 
         cs_h5_write.CsH5Sink._allocate = allocate_then_fill
     try:
-        convert(source, target, to=fmt, h5_compression=compression or "none")
+        convert(source, target, to=fmt, h5_compression=compression or "none", **options)
         outcome = {"code": "ok"}
     except CkptconvError as e:
         outcome = {"code": e.code, "message": e.message, "hint": e.hint, "errno": e.details.get("errno")}
@@ -122,9 +124,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "CKPTCONV_TRACEBACK": "1"}
 
 
-def _convert_in_child(source: Path, target: Path, fmt: str, mount: Path, hook: str = "none") -> dict:
+def _convert_in_child(source: Path, target: Path, fmt: str, mount: Path, hook: str = "none", **options: object) -> dict:
     r = subprocess.run(
-        [sys.executable, "-c", CHILD, str(source), str(target), fmt, str(mount), hook],
+        [sys.executable, "-c", CHILD, str(source), str(target), fmt, str(mount), hook, json.dumps(options)],
         capture_output=True,
         text=True,
         env=_env(),
@@ -141,6 +143,23 @@ def test_full_disk_is_a_typed_error_and_leaves_nothing(small_fs: Callable[[str],
     assert out["code"] == "storage_error", out
     assert "free disk space" in out["hint"], out
     assert out["left"] == [], out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options"),
+    [("safetensors", {"shard_size": "4MB"}), ("torch", {}), ("tf", {}), ("tf", {"shard_size": "4MB"})],
+)
+def test_an_output_that_cannot_fit_is_refused_before_its_first_byte(
+    small_fs: Callable[[str], Path], source: Path, fmt: str, options: dict
+) -> None:
+    """Every local output's planned size is checked against the free space up front: a full disk
+    met halfway (a later shard, an archive without a preallocated size) says "No space left on
+    device"; the check says how much the output needs."""
+    mount = small_fs("8m")
+    out = _convert_in_child(source, mount / "out", fmt, mount, **options)
+    assert out["code"] == "storage_error", out
+    assert "not enough free space" in out["message"] and "free disk space" in out["hint"], out
+    assert out["errno"] == errno.ENOSPC and out["left"] == [], out
 
 
 def test_cs_h5_cli_on_a_full_disk_exits_with_storage_error(small_fs: Callable[[str], Path], source: Path) -> None:

@@ -42,6 +42,7 @@ from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype
 from ckptconv.storage.base import streaming_buffer_bytes
 from ckptconv.storage.digests import ALGORITHM, digest_facts, entry_digests
+from ckptconv.storage.local import check_free_space
 
 if TYPE_CHECKING:
     import numpy as np
@@ -315,9 +316,24 @@ class TensorSink(abc.ABC):
         entries = list(entries)
         self._state = "closed"  # a begin that fails leaves a sink fit only for abort()
         self._begin(entries, spec)
+        self._check_free_space()
         self._write_order = [e.key for e in entries if e.kind != "link"]
         self._writes_done = 0
         self._state = "open"
+
+    def planned_local_bytes(self) -> int:
+        """What this sink's files take (known after ``_begin``: the sizes its plan lays out), for
+        the free-space check of a local target; 0 where not known up front, or where the sink
+        checks for itself (cs-h5, before HDF5 writes)."""
+        return 0
+
+    def _check_free_space(self) -> None:
+        # One check for every local output, before its first byte: a job that cannot fit fails at
+        # once, not with a full disk after writing most of it (a later shard, an archive).
+        nbytes = self.planned_local_bytes()
+        path = self.storage.local_path(self.uri) if nbytes else None
+        if path is not None:
+            check_free_space(str(path), nbytes, self.uri)
 
     def write(self, key: str, value: Any) -> None:
         """Write the value of the next announced non-link entry."""

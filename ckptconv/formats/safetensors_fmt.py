@@ -400,6 +400,11 @@ class SafetensorsSink(ShardedSink):
             self._index = (index_uri, index_bytes(weight_map, total, extra))
         self._dtypes = {e.key: str(e.dtype) for e in entries if e.kind in ("tensor", "array")}
 
+    def planned_local_bytes(self) -> int:
+        """Every file's size (its header and values) and the index's."""
+        index = len(self._index[1]) if self._index is not None else 0
+        return sum(f.layout().size for f in self._files) + index
+
     def _write(self, key: str, value: Any) -> None:
         if key not in self._regions_of:
             return  # a value: it lives in the metadata record

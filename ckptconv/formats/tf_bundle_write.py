@@ -190,6 +190,10 @@ class TfSink(TensorSink):
             self._link_roots[link.key] = root
         self._assign_shards([i for i in self._items if i.has_data])
 
+    def planned_local_bytes(self) -> int:
+        """The data files' bytes (the tensors' exactly, objects' as announced); the index is small."""
+        return sum(i.estimate for i in self._items if i.has_data)
+
     @classmethod
     def planned_shards(cls, entries: list[Entry], options: dict[str, Any]) -> list[tuple[list[str], int]]:
         """The data files ``entries`` go to under ``options`` (each one's keys and estimated bytes),

@@ -400,6 +400,7 @@ class TorchSink(ShardedSink):
         self._zip: ZipStreamWriter | None = None
         self._index: tuple[str, bytes] | None = None
         self._laid_out: list[tuple[FileLayout, bytes]] | None = None  # a skeleton's files (see reserve)
+        self._planned = 0  # the archives' tensor bytes and pickles (see planned_local_bytes)
 
     @classmethod
     def check(cls, entries: Any) -> None:
@@ -467,6 +468,14 @@ class TorchSink(ShardedSink):
                 raise UnsupportedValue("the tree spec does not describe the same keys as the entries")
             pkl = pickle_tree(self._tree())  # refuses what weights_only could not load, before any data
             self._files[0].pkl = None if self._objects else pkl
+        self._planned = total + sum(len(out.pkl or b"") for out in self._files)
+        if self._index is not None:
+            self._planned += len(self._index[1])
+
+    def planned_local_bytes(self) -> int:
+        """The tensors' bytes, the pickles and the index: all but the zip records around them (a
+        few dozen bytes a member), so at least what the archives take."""
+        return self._planned
 
     def _tree(self) -> Any:
         if self._spec is None:

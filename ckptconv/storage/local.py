@@ -276,10 +276,13 @@ _NO_SPACE_HINT = "free disk space on that filesystem, or choose a target (or sta
 
 
 def check_free_space(path: str, nbytes: int, uri: str) -> None:
-    """Refuse, before a byte is written, a file of up to ``nbytes`` that the filesystem holding
-    ``path`` (a directory) has no room for: a typed error now instead of a full disk halfway."""
+    """Refuse, before a byte is written, files of up to ``nbytes`` that the filesystem holding
+    ``path`` (a directory, or one still to be created: its nearest existing one is asked) has no
+    room for: a typed error now instead of a full disk halfway."""
+    while path not in ("", "/") and not os.path.isdir(path):
+        path = os.path.dirname(path)
     with _os_errors(uri, reading=False):
-        st = os.statvfs(path)
+        st = os.statvfs(path or ".")
     free = st.f_bavail * st.f_frsize
     if free < nbytes:
         raise StorageError(
