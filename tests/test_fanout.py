@@ -570,6 +570,18 @@ def test_cs_s3_fans_out_object_by_object_to_the_single_worker_objects(source_fmt
         assert _uploads(s3_bucket) == []
 
 
+def test_a_cs_s3_fan_out_with_no_tensor_bytes_records_the_one_part_it_ran_as(tmp_path: Path, s3_bucket) -> None:
+    # Nothing for parts to write (one empty tensor): the prepare and the commit write every object,
+    # one process, and the manifest says so rather than 0.
+    source = str(tmp_path / "src.safetensors")
+    save_file({"empty": torch.zeros(0, 4)}, source)
+    result = convert(source, f"s3://{s3_bucket}/none/ckpt", to="cs-s3", parallelism=2, job_id="no-bytes")
+    assert result.extras["parallelism"] == 1
+    manifest = json.loads(open_storage(result.manifest).read_all(result.manifest))
+    assert manifest["extras"]["parallelism"] == 1
+    assert _uploads(s3_bucket) == []
+
+
 def _llama(path: Path, hidden: int) -> None:
     """A small Llama saved as Hugging Face does."""
     import transformers

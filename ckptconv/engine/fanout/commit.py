@@ -105,7 +105,9 @@ def _commit(
         {e.key: e.nbytes for e in src.entries()},
         writer_buffers=upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0,
     )
-    facts = {"parallelism": len(doc["parts"]), **(extras or {})}
+    # The processes the run used: with no bytes for parts to write (a cs-s3 output of empty
+    # tensors only) there are no parts, and the prepare and the commit did it all, as one.
+    facts = {"parallelism": max(1, len(doc["parts"])), **(extras or {})}
     check_cancelled(cancelled)
     stage_manifest(
         layout,
