@@ -36,7 +36,7 @@ Convert deep-learning checkpoints between formats, as long-running jobs.
 
 Submit a job (`POST /v1/jobs`, answered `202` with a `Location`), then follow it: poll
 `GET /v1/jobs/{id}`, or stream `GET /v1/jobs/{id}/events`. A finished job has `done: true` and
-either a `result` (outputs with sizes and SHA-256, the manifest's URI, warnings) or an `error`.
+either a `result` (outputs with sizes and BLAKE3 digests, the manifest's URI, warnings) or an `error`.
 Every error is an RFC 9457 problem document (`application/problem+json`) with a stable `code`.
 
 Authenticate with an API key: `Authorization: Bearer ckc_…`. A key may only name URIs under its

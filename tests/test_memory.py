@@ -20,7 +20,7 @@ MB = 1 << 20
 
 
 def test_a_freed_buffer_serves_the_next_tensor_of_its_size() -> None:
-    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    pool = BufferPool(max_held=64 * MB, min_size=MB)
     t = pool.tensor((1024, 1024), "float32")
     assert t.shape == (1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
     address = t.data_ptr()
@@ -32,7 +32,7 @@ def test_a_freed_buffer_serves_the_next_tensor_of_its_size() -> None:
 
 
 def test_a_buffer_is_not_reused_while_any_view_of_it_lives() -> None:
-    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    pool = BufferPool(max_held=64 * MB, min_size=MB)
     t = pool.tensor((MB,), "uint8")
     t.fill_(7)
     views = [t[10:20], t.numpy()[5:9], memoryview(t.numpy())]
@@ -48,7 +48,7 @@ def test_a_buffer_is_not_reused_while_any_view_of_it_lives() -> None:
 
 
 def test_idle_buffers_stay_under_the_cap_and_small_tensors_bypass_the_pool() -> None:
-    pool = BufferPool(max_idle=10 * MB, min_size=MB)
+    pool = BufferPool(max_held=10 * MB, min_size=MB)
     a, b, c, d = (pool.tensor((n * MB,), "uint8") for n in (2, 3, 4, 4))
     small = pool.tensor((1000,), "float32")
     del a, b, c, small
@@ -66,7 +66,7 @@ def test_idle_buffers_stay_under_the_cap_and_small_tensors_bypass_the_pool() -> 
 
 
 def test_a_run_caps_the_idle_buffers_at_its_largest_value_and_empties_the_pool_at_its_end() -> None:
-    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    pool = BufferPool(max_held=64 * MB, min_size=MB)
     with pool.capped(4 * MB):
         tensors = [pool.tensor((n * MB,), "uint8") for n in (1, 2, 3, 4)]
         del tensors
@@ -74,8 +74,8 @@ def test_a_run_caps_the_idle_buffers_at_its_largest_value_and_empties_the_pool_a
         assert pool.idle_bytes <= 4 * MB  # the uncapped pool kept all 10 MiB
         with pool.capped(2 * MB):  # a second run at once: the smaller cap holds
             assert pool.idle_bytes <= 2 * MB
-        assert pool.idle_cap == 4 * MB
-    assert pool.idle_bytes == 0 and pool.idle_cap == 64 * MB
+        assert pool.held_cap == 4 * MB
+    assert pool.idle_bytes == 0 and pool.held_cap == 64 * MB
 
 
 def _span(a: np.ndarray | torch.Tensor) -> tuple[int, int]:
@@ -84,7 +84,7 @@ def _span(a: np.ndarray | torch.Tensor) -> tuple[int, int]:
 
 
 def test_a_freed_buffer_serves_smaller_tensors_side_by_side() -> None:
-    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    pool = BufferPool(max_held=64 * MB, min_size=MB)
     big = pool.tensor((8 * MB,), "uint8")
     start, end = _span(big)
     del big
@@ -110,7 +110,7 @@ def test_a_freed_buffer_serves_smaller_tensors_side_by_side() -> None:
 
 
 def test_a_view_of_a_pooled_array_keeps_its_range_from_being_lent_again() -> None:
-    pool = BufferPool(max_idle=64 * MB, min_size=MB)
+    pool = BufferPool(max_held=64 * MB, min_size=MB)
     a = pool.array(4 * MB)
     a.fill(7)
     view = a.reshape(2, -1)[1]  # numpy's view of a view: a view of the array's base
@@ -130,7 +130,7 @@ def test_the_pool_never_holds_more_than_its_cap_nor_lends_a_live_range_under_any
 
     rng = random.Random(3)
     cap = 24 * MB
-    pool = BufferPool(max_idle=cap, min_size=MB)
+    pool = BufferPool(max_held=cap, min_size=MB)
     live: dict[int, np.ndarray] = {}
 
     def release(key: int) -> None:
@@ -168,7 +168,7 @@ def test_the_pool_never_holds_more_than_its_cap_nor_lends_a_live_range_under_any
 def test_a_full_verification_holds_no_more_than_the_largest_value_and_leaves_the_pool_empty(tmp_path: Path) -> None:
     """Reading the output back (verify "full") comes after the run's cap: the pool must be capped
     there too, or the buffers of values of rising sizes (none fits in an earlier one's) pile up to
-    ``max_idle`` and stay in a worker after its job."""
+    ``max_held`` and stay in a worker after its job."""
     from safetensors.torch import save_file
 
     from ckptconv.engine.plan import identity_plan
@@ -268,7 +268,7 @@ def test_peak_rss_is_bounded_by_the_largest_tensor_not_the_checkpoint(tmp_path: 
     # 384 MB vs 768 MB of tensors: the peak may move by allocator noise only ...
     assert peaks[1] <= peaks[0] + 32 * MB, report
     # ... and stays within two of the largest tensor plus the buffer pool's idle cap over the base.
-    assert max(peaks) <= base + 2 * largest + POOL.max_idle + 32 * MB, report
+    assert max(peaks) <= base + 2 * largest + POOL.max_held + 32 * MB, report
 
 
 def _sized_checkpoint(path: Path, sizes_mib: list[int]) -> Path:

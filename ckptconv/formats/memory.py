@@ -124,7 +124,7 @@ class BufferPool:
     (a finalizer on the numpy array the tensor is built on), so a lent range never overlaps a live
     value.
 
-    Memory: the pool holds at most ``idle_cap`` bytes of buffers, counted whole whether idle or
+    Memory: the pool holds at most ``held_cap`` bytes of buffers, counted whole whether idle or
     partly lent, so what it keeps resident beyond the live tensors themselves (idle buffers, the
     free ends and holes of partly lent ones) stays within the cap however the sizes come. A
     buffer that does not fit goes back to the system when its tensor is gone; one that is held
@@ -134,8 +134,8 @@ class BufferPool:
     their last range comes back.
     """
 
-    def __init__(self, max_idle: int = 128 << 20, min_size: int = MMAP_THRESHOLD) -> None:
-        self.max_idle = max_idle
+    def __init__(self, max_held: int = 128 << 20, min_size: int = MMAP_THRESHOLD) -> None:
+        self.max_held = max_held
         self.min_size = min_size
         self._blocks: list[_Block] = []  # the buffers held that tensors are placed in (not retired)
         self._held_bytes = 0
@@ -152,13 +152,13 @@ class BufferPool:
         self._era = 0
 
     @property
-    def idle_cap(self) -> int:
-        """The bytes the pool may hold now: ``max_idle``, or less while a run has capped it."""
+    def held_cap(self) -> int:
+        """The bytes the pool may hold now: ``max_held``, or less while a run has capped it."""
         with self._lock:
             return self._cap()
 
     def _cap(self) -> int:
-        return min([self.max_idle, *self._caps])
+        return min([self.max_held, *self._caps])
 
     @contextlib.contextmanager
     def capped(self, nbytes: int) -> Iterator[None]:
@@ -166,7 +166,7 @@ class BufferPool:
 
         A conversion's memory estimate counts twice its largest value: one alive (read ahead or
         being written) and one more. The pool's buffers are that one more: with tensors of many
-        sizes a pool of ``max_idle`` held up to 128 MiB of buffers of other sizes beside the live
+        sizes a pool of ``max_held`` held up to 128 MiB of buffers of other sizes beside the live
         ones, over the estimate of any checkpoint whose largest tensor is smaller; capped at the
         largest value, the pool stays within it. When the last run in progress ends, the pool is
         emptied.
@@ -306,7 +306,7 @@ class BufferPool:
 
     @property
     def held_bytes(self) -> int:
-        """The bytes of the buffers held, idle or partly lent (at most ``idle_cap``)."""
+        """The bytes of the buffers held, idle or partly lent (at most ``held_cap``)."""
         return self._held_bytes
 
     @property

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptconv.core.scopes import Scopes
-from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, Storage, Writer
+from ckptconv.storage.base import BLOCK_SIZE, STREAM_PART_SIZE, ObjectInfo, Storage, Writer
 from ckptconv.storage.digests import ALGORITHM
 
 _scopes: contextvars.ContextVar[Scopes | None] = contextvars.ContextVar("ckptconv_storage_scopes", default=None)
@@ -111,7 +111,7 @@ class ConfinedStorage(Storage):
         self._check(uri)
         return self.inner.open_reader(uri)
 
-    def digest(self, uri: str, algorithm: str = ALGORITHM, block_size: int = 8 << 20) -> str:
+    def digest(self, uri: str, algorithm: str = ALGORITHM, block_size: int = BLOCK_SIZE) -> str:
         self._check(uri)
         return self.inner.digest(uri, algorithm, block_size)
 
