@@ -58,7 +58,7 @@ from ckptconv.engine.plan import Plan
 from ckptconv.engine.publish import ConvertResult, _publish, _resume, published
 from ckptconv.engine.staging import _discard, _discard_after_failure, _Layout, _layout, discard_staging
 from ckptconv.formats import sink_class, source_class, target_exists
-from ckptconv.formats.base import OutputFile, TensorSink, TensorSource
+from ckptconv.formats.base import OutputFile, TensorSink, TensorSource, given_options
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
@@ -98,7 +98,7 @@ def writer_buffer_bytes(target: str, to: str, sink_options: dict[str, Any] | Non
     it is on S3, nothing for a local file (the page cache is not the process's memory)."""
     if not target or not is_s3(target):
         return 0
-    return sink_class(to).remote_buffer_bytes({k: v for k, v in (sink_options or {}).items() if v is not None})
+    return sink_class(to).remote_buffer_bytes(given_options(sink_options))
 
 
 def fit_memory(
@@ -115,7 +115,7 @@ def fit_memory(
     at once (down to one) when the sink lets its caller choose (``concurrency``): the budget bounds
     what the writer allocates rather than being refused. InvalidRequest when even one does not fit.
     """
-    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
+    options = given_options(sink_options)
 
     def buffers(concurrency: int) -> int:
         return writer_buffer_bytes(target, to, {**options, "concurrency": concurrency})

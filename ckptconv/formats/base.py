@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -66,6 +66,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
+
+
+def given_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options a caller set: those whose value is None stand for "not set", so a source or
+    sink keeps its own default for them."""
+    return {k: v for k, v in (options or {}).items() if v is not None}
 
 
 class RawTensor:

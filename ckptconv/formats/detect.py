@@ -15,7 +15,7 @@ from typing import Any
 from ckptconv.core.errors import ObjectNotFound, UnknownFormat, UnsupportedFormat
 from ckptconv.core.uri import as_prefix, basename, normalize_uri
 from ckptconv.formats import FORMATS, source_class
-from ckptconv.formats.base import TensorSource
+from ckptconv.formats.base import TensorSource, given_options
 from ckptconv.formats.signatures import HEAD_BYTES
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
@@ -103,4 +103,4 @@ def open_source(uri: str, format: str | None = None, **options: Any) -> TensorSo
     uri = normalize_uri(uri)
     fmt = check_format(format) if format else detect_source_format(storage, uri)
     cls = source_class(fmt)
-    return cls(storage, uri, **{k: v for k, v in options.items() if v is not None})
+    return cls(storage, uri, **given_options(options))

@@ -22,7 +22,7 @@ flow (all of it inside the job's staging area, under the attempt that runs it, s
    values whose spans meet its ranges (a value cut by a part boundary is read by both parts),
    checks each against the hash of its source as read (the executor's xxh3 digests), writes its
    bytes with positioned writes (a preallocated file) or as upload parts, and records
-   ``.fanout/part-NNNNN.json``: its ranges with the xxh3 of their bytes, the value digests, the
+   ``.fanout/part-NNNNN.json``: its ranges, the value digests, the
    BLAKE3 of each block it wrote (locally each block it wrote whole, hashed right after writing
    it; on S3 each block of its upload parts, hashed as they are sent, the block size being the
    grid's part size) and its upload parts' ETags. A part whose record

@@ -8,6 +8,7 @@ from typing import Any
 
 from ckptconv.engine.fanout.run import FANOUT_FORMATS
 from ckptconv.formats import sink_class
+from ckptconv.formats.base import given_options
 
 MAX_PARTS = 256  # parts of one job: each is a message, a lease and a record in staging
 AUTO_PART_BYTES = 2 << 30  # one part per this many output bytes
@@ -34,8 +35,7 @@ def resolve_parallelism(
     layout is not known up front, with the sink's options (auto never asks for what the format refuses)."""
     if requested != "auto":
         return int(requested)
-    options = {k: v for k, v in (sink_options or {}).items() if v is not None}
-    if to not in FANOUT_FORMATS or sink_class(to).unsplittable(options):
+    if to not in FANOUT_FORMATS or sink_class(to).unsplittable(given_options(sink_options)):
         return 1
     auto = auto or AutoParallelism()
     wanted = math.ceil(max(total_bytes, 1) / max(auto.part_bytes, 1))

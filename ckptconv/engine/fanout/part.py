@@ -8,8 +8,6 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import xxhash
-
 from ckptconv.core.errors import TargetExists, VerificationFailed
 from ckptconv.core.fencing import fence
 from ckptconv.core.uri import normalize_uri
@@ -166,7 +164,6 @@ def run_part(
                     writers[fi] = _writer(storage, f, doc, held_uri(layout, fi))
                     if isinstance(writers[fi], LocalPatch):
                         local_blocks[fi] = WrittenBlocks(doc["block_size"])
-                h = xxhash.xxh3_128()
                 for offset, n, span, at in _pieces(f, start, end):
                     if span is None:
                         piece = memoryview(gaps[fi])[at : at + n]
@@ -185,13 +182,12 @@ def run_part(
                     for done in range(0, n, WRITE_PIECE_BYTES):
                         chunk = piece[done : done + WRITE_PIECE_BYTES]
                         writers[fi].write_at(offset + done, chunk)
-                        h.update(chunk)
                         if fi in local_blocks:
                             local_blocks[fi].wrote(offset + done, chunk)
                     written += n
                     if runner is not None:
                         runner.report(index, tensors, written)
-                recorded.append([fi, start, end, h.hexdigest()])
+                recorded.append([fi, start, end])
             current = None
             uploaded, blocks = {}, {}
             for fi, w in writers.items():

@@ -32,7 +32,7 @@ from ckptconv.engine.publish import ConvertResult, _publish, _resume
 from ckptconv.engine.run import fit_uploads, source_facts, verify_mode
 from ckptconv.engine.staging import _attempt_stagings, _discard, _discard_after_failure, _Layout, _layout
 from ckptconv.formats import sink_class, target_exists
-from ckptconv.formats.base import OutputFile, TensorSource
+from ckptconv.formats.base import OutputFile, TensorSource, given_options
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.digests import hex_digest
@@ -58,7 +58,7 @@ def _prepare(
     memory_budget: int | str | None = None,
 ) -> dict[str, Any]:
     storage = layout.storage
-    options = {k: v for k, v in sink_options.items() if v is not None}
+    options = given_options(sink_options)
     if to in ("cs-h5", "tf", "cs-s3"):
         options["skeleton"] = True
     sink = sink_class(to)(storage, layout.sink_uri, **options)
@@ -169,7 +169,7 @@ def _plan_key(
         "source": source_facts(src)["files"],
         "to": to,
         "parallelism": parallelism,
-        "sink_options": {k: v for k, v in sink_options.items() if v is not None},
+        "sink_options": given_options(sink_options),
         "extra_files": {rel: hashlib.sha256(data).hexdigest() for rel, data in extra_files.items()},
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
@@ -203,7 +203,7 @@ def run_fanout(
             f"parallelism > 1 writes {' or '.join(FANOUT_FORMATS)} outputs, not {to}",
             hint="convert with parallelism 1, or to one of those formats",
         )
-    refused = sink_class(to).unsplittable({k: v for k, v in (sink_options or {}).items() if v is not None})
+    refused = sink_class(to).unsplittable(given_options(sink_options))
     if refused:
         raise InvalidRequest(f"parallelism > 1: {refused}", hint="convert with parallelism 1, or without compression")
     runner = runner or InlineRunner()
@@ -368,7 +368,7 @@ def _await_parts(
     pending = set(range(count)) - set(reused)
     # Progress counts the parts an earlier attempt completed as done.
     reused_tensors = sum(len(r["digests"]) for r in reused.values())
-    reused_bytes = sum(e - s for r in reused.values() for _, s, e, _ in r["ranges"])
+    reused_bytes = sum(e - s for r in reused.values() for _, s, e, *_ in r["ranges"])
     mine = max(pending, default=-1)  # run at once: this worker is one of the job's workers
     while pending:
         check_cancelled(cancelled)
