@@ -17,7 +17,7 @@ from typing import Any
 from ckptconv.core.errors import ObjectNotFound, StorageUnavailable, TargetTaken
 from ckptconv.core.job_records import target_identity
 from ckptconv.core.uri import is_local, local_path_of
-from ckptconv.formats import target_exists
+from ckptconv.engine.staging import MANIFEST_SUFFIX, occupant
 from ckptconv.storage import open_storage
 
 log = logging.getLogger("ckptconv.api")
@@ -36,7 +36,7 @@ _CHECKS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckptconv-target
 # list, not one each (32 at once used to exceed the timeout on a loaded machine, answering 503s).
 # Its answer is at most one check old for every request that joins it, which the check could be
 # anyway; two jobs on one target are kept apart by the reservation, not by this check.
-_under_way: dict[tuple[str, str | None], asyncio.Future[bool]] = {}
+_under_way: dict[tuple[str, str | None], asyncio.Future[str | None]] = {}
 
 
 def warm_up() -> None:
@@ -63,15 +63,15 @@ async def refuse_existing_target(target_doc: dict[str, Any], timeout: float) -> 
         raise StorageUnavailable(f"the object store did not answer within {timeout:g} s about {uri}") from None
     except OSError as e:  # a StorageError, or a socket error a client library let through
         raise StorageUnavailable(f"cannot check whether {uri} exists: {e}") from e
-    if exists:
+    if exists is not None:
         raise TargetTaken(
-            f"{uri} already exists",
+            f"{exists} already exists",
             hint="conversions never overwrite: choose another target URI, or delete what is there first",
             uri=uri,
         )
 
 
-def _check_under_way(uri: str, fmt: str | None) -> asyncio.Future[bool]:
+def _check_under_way(uri: str, fmt: str | None) -> asyncio.Future[str | None]:
     """The check of ``uri`` under way, started now if there is none."""
     key = (uri, fmt)
     check = _under_way.get(key)
@@ -82,28 +82,30 @@ def _check_under_way(uri: str, fmt: str | None) -> asyncio.Future[bool]:
     return check
 
 
-def _finished(key: tuple[str, str | None], check: asyncio.Future[bool]) -> None:
+def _finished(key: tuple[str, str | None], check: asyncio.Future[str | None]) -> None:
     if _under_way.get(key) is check:
         del _under_way[key]
     if not check.cancelled():
         check.exception()  # retrieved: when every waiter timed out, nobody else reads it
 
 
-def _exists(uri: str, fmt: str | None) -> bool:
+def _exists(uri: str, fmt: str | None) -> str | None:
+    """What occupies the target (see ``engine.staging.occupant``), or None."""
     try:
-        return target_exists(open_storage(uri), uri, fmt)
+        return occupant(open_storage(uri), uri, fmt)
     except ObjectNotFound:  # no such bucket: nothing exists there (the job reports the bucket)
-        return False
+        return None
 
 
 def _nothing_at(path: str, fmt: str | None) -> bool:
-    """True when no entry exists at a local target's path (nor, for a TF bundle, at its ``.index``):
-    then nothing can be at it or under it. Anything else is left to the full check.
+    """True when no entry exists at a local target's path (nor, for a TF bundle, at its ``.index``,
+    nor at the manifest a file target places beside it): then nothing can be at it or under it.
+    Anything else is left to the full check.
 
     One lstat on the event loop, the usual answer for a new local target: the scope check already
     resolves every component of a local path there (symlinks), and this costs less than the thread
     hop of the full check."""
-    for p in (path, path + ".index") if fmt == "tf" else (path,):
+    for p in (path, path + MANIFEST_SUFFIX, *((path + ".index",) if fmt == "tf" else ())):
         try:
             os.lstat(p)
         except FileNotFoundError:

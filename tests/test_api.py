@@ -193,8 +193,10 @@ def test_local_targets_with_data_are_409_and_a_retry_still_gets_its_job(api, tmp
     (tmp_path / "dir" / "model.mdl").write_bytes(b"")
     (tmp_path / "tf").mkdir()
     (tmp_path / "tf" / "model.index").write_bytes(b"")
+    (tmp_path / "gone.mdl.manifest.json").write_text("{}")  # the file itself was deleted; its manifest was not
     for target, fmt in (
         (f"{tmp_path}/file.mdl", "cs-h5"),
+        (f"{tmp_path}/gone.mdl", "cs-h5"),
         (f"{tmp_path}/dir", "cs-s3"),
         (f"{tmp_path}/tf/model", "tf"),
     ):

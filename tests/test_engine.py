@@ -122,6 +122,21 @@ def test_existing_target_is_refused_and_untouched(tmp_path: Path) -> None:
     assert out.read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_a_manifest_left_beside_a_file_target_refuses_the_job_before_any_work(tmp_path: Path, parallelism: int) -> None:
+    # A file target publishes T.manifest.json beside itself: with that name taken the publication
+    # could only fail, so the job must fail before it reads a tensor, not after copying them all.
+    src = write_source(tmp_path, "safetensors")
+    out = tmp_path / "out.mdl"
+    beside = tmp_path / "out.mdl.manifest.json"
+    beside.write_text("{}")
+    stages: list[str] = []
+    with pytest.raises(TargetExists, match="manifest"):
+        convert(src, str(out), to="cs-h5", parallelism=parallelism, progress=lambda p: stages.append(p.stage))
+    assert stages == [] and not out.exists() and beside.read_text() == "{}"
+    assert not _staged_files(tmp_path)
+
+
 def test_cancel_leaves_nothing(tmp_path: Path) -> None:
     src = write_source(tmp_path, "safetensors")
     out = tmp_path / "out"

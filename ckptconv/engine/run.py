@@ -57,7 +57,7 @@ from ckptconv.engine.execute import (
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.publish import ConvertResult, _publish, _resume, published
 from ckptconv.engine.staging import _discard, _discard_after_failure, _Layout, _layout, discard_staging
-from ckptconv.formats import sink_class, source_class, target_exists
+from ckptconv.formats import sink_class, source_class
 from ckptconv.formats.base import OutputFile, TensorSink, TensorSource, given_options
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
@@ -187,8 +187,9 @@ def run_plan(
     done = _resume(layout, job_id)
     if done is not None:
         return done
-    if target_exists(storage, layout.target, to):
-        raise TargetExists(f"{layout.target} already exists")
+    occupied = layout.occupied(to)
+    if occupied is not None:
+        raise TargetExists(f"{occupied} already exists", uri=occupied)
 
     memory, options = fit_memory(
         plan, {e.key: e.nbytes for e in src.entries()}, memory_budget, target, to, sink_options

@@ -22,6 +22,7 @@ from ckptconv.core.fencing import current_attempt
 from ckptconv.core.job_records import target_identity
 from ckptconv.core.uri import basename, normalize_uri
 from ckptconv.core.uri import parent as parent_of
+from ckptconv.formats import target_exists
 from ckptconv.formats.registry import FORMATS
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
@@ -54,6 +55,19 @@ class _Layout:
 
     def manifest_candidates(self) -> list[str]:
         return [self.target + "/" + MANIFEST_NAME, self.target + MANIFEST_SUFFIX]
+
+    def occupied(self, fmt: str | None) -> str | None:
+        return occupant(self.storage, self.target, fmt)
+
+
+def occupant(storage: Storage, target: str, fmt: str | None) -> str | None:
+    """What already sits where a conversion to ``target`` would publish (the target itself, or the
+    manifest a file target places beside it), or None. Checked before any work, so that a job
+    that could never publish fails at once rather than after hours of copying."""
+    if target_exists(storage, target, fmt):
+        return target
+    beside = target + MANIFEST_SUFFIX
+    return beside if storage.exists(beside) else None
 
 
 def _layout(storage: Storage, target: str, staging: str | None, job_id: str | None) -> _Layout:

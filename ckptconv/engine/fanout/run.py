@@ -31,7 +31,7 @@ from ckptconv.engine.plan import Plan
 from ckptconv.engine.publish import ConvertResult, _publish, _resume
 from ckptconv.engine.run import fit_uploads, source_facts, verify_mode
 from ckptconv.engine.staging import _attempt_stagings, _discard, _discard_after_failure, _Layout, _layout
-from ckptconv.formats import sink_class, target_exists
+from ckptconv.formats import sink_class
 from ckptconv.formats.base import OutputFile, TensorSource, given_options
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
@@ -215,8 +215,9 @@ def run_fanout(
     done = _resume(layout, job_id)
     if done is not None:
         return done
-    if target_exists(storage, layout.target, to):
-        raise TargetExists(f"{layout.target} already exists")
+    occupied = layout.occupied(to)
+    if occupied is not None:
+        raise TargetExists(f"{occupied} already exists", uri=occupied)
     _discard(layout)  # a previous try of this attempt may have left a partial staging area
     options = {"sink_options": sink_options or {}, "extra_files": extra_files or {}}
     key = _plan_key(plan, src, to=to, parallelism=parallelism, **options)
