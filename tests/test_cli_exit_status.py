@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import ckptconv.cli.engine as cli_engine
+import ckptconv.engine.diff as engine_diff
 from ckptconv.cli.main import EXIT_ERROR, EXIT_INTERNAL_ERROR, main
 
 
@@ -33,7 +33,7 @@ def test_unexpected_exception_is_not_mistaken_for_an_answer(pair, capsys, monkey
     def broken(*args, **kwargs):  # fault injection: a bug inside the engine
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(cli_engine, "diff_checkpoints", broken)
+    monkeypatch.setattr(engine_diff, "diff_checkpoints", broken)  # `diff` imports it when it runs
     assert main(["diff", *pair]) == EXIT_INTERNAL_ERROR
     err = capsys.readouterr().err
     assert "error [internal_error]: RuntimeError: injected" in err

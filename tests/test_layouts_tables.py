@@ -4,11 +4,13 @@ planner beside it."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from ckptconv.engine.layouts.models import PLANNERS, planner_of
+from ckptconv.engine.layouts.models import planner_of, planners
 from ckptconv.engine.layouts.registry import is_known_model, model_tables
 from ckptconv.engine.layouts.rules import TableError
 from ckptconv.engine.layouts.tables import FAMILIES_DIR, load_tables
@@ -17,7 +19,7 @@ from ckptconv.engine.layouts.tables import FAMILIES_DIR, load_tables
 def test_every_composite_and_wrapper_table_has_its_planner() -> None:
     tables = model_tables()
     assert {n: t.kind for n, t in tables.items()} == {"dpo": "wrapper", "dpr": "composite", "llava": "composite"}
-    assert set(PLANNERS) == set(tables)
+    assert set(planners()) == set(tables)
     for name, table in tables.items():
         found = planner_of(name)
         assert found is not None and found[0] is table and name == found[1].MODEL_NAME
@@ -28,6 +30,19 @@ def test_every_composite_and_wrapper_table_has_its_planner() -> None:
         ("ctx_encoder", "ctx_encoder.bert_model."),
     ]
     assert tables["dpo"].formats[-1] == "cs-2.1-no-dpo" and tables["dpo"].formats[1] == "cs-2.1-dpo"
+
+
+def test_importing_the_layouts_reads_no_table() -> None:
+    # The planners beside the composite and wrapper tables read them when imported; they are imported
+    # when such a model is first planned, so a process importing the layouts pays nothing for them.
+    code = (
+        "import ckptconv.engine.layouts.api\n"
+        "from ckptconv.engine.layouts import registry\n"
+        "print(registry._tables.cache_info().currsize)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
 
 
 def _copy_tables(tmp_path: Path) -> Path:

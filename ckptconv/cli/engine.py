@@ -15,10 +15,9 @@ from ckptconv.cli.models import MODEL_FORM_FLAGS, model_conversion_arguments, ou
 from ckptconv.cli.output import ProgressBar, human_size, print_result
 from ckptconv.cli.run_kind import plan_kind, run_command
 from ckptconv.core.errors import InvalidRequest
-from ckptconv.engine.convert import inspect
-from ckptconv.engine.diff import diff_checkpoints
-from ckptconv.formats import FORMATS
 from ckptconv.jobs import LocalSettings
+
+# The engine and the formats are imported by the commands that use them (see ckptconv.cli.main).
 
 # Options both kinds of `convert` take: one flag, the container form's, read by either form.
 SHARED_OPTIONS = ("h5_compression",)
@@ -96,6 +95,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from ckptconv.engine.convert import inspect
+
     view = inspect(args.uri, source_format=args.source_format, allow_incomplete=args.allow_incomplete or None)
     if args.json:
         json.dump(view, sys.stdout, indent=2)
@@ -175,6 +176,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
+    from ckptconv.formats import FORMATS
+
     rows = [f.describe() for f in FORMATS.values()]
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
@@ -214,6 +217,8 @@ def _convert_model_form(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from ckptconv.engine.diff import diff_checkpoints
+
     bar = ProgressBar(not (args.no_progress or args.json))
     try:
         result = diff_checkpoints(

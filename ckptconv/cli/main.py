@@ -2,8 +2,9 @@
 
 Each area of ckptconv registers its subcommands from its own module in ``ckptconv.cli``;
 this file only assembles them and turns ckptconv errors into one clear line and a non-zero exit.
-Command modules import heavy libraries (torch, h5py) inside their handlers, so ``ckptconv --help``
-stays fast.
+Command modules import what only their commands use (torch, h5py, the engine, the model tables,
+the service's HTTP and Redis clients) inside their handlers, so ``ckptconv --help`` and each command
+start with only the modules they need.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Sequence
 
 from ckptconv import __version__
 from ckptconv.core.errors import CkptconvError
-from ckptconv.formats.memory import bound_allocator
 
 # Exit statuses: 0 success, 1 a command's negative answer (`diff`: they differ), 2 a typed error,
 # 70 (BSD's EX_SOFTWARE) an unexpected exception, that is a bug, 130 interrupted.
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    # Imported once the command is known: the formats (and numpy) are no part of `--help`.
+    from ckptconv.formats.memory import bound_allocator
 
     bound_allocator()  # before any thread starts: see ckptconv.formats.memory
     try:

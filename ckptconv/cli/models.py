@@ -16,9 +16,9 @@ from ckptconv.cli.kind_flags import add_kind_flags, kind_options
 from ckptconv.cli.output import ProgressBar, print_result
 from ckptconv.cli.run_kind import run_kind
 from ckptconv.core.errors import InvalidRequest
-from ckptconv.engine.layouts.api import convert_config, open_model_source, plan_model
-from ckptconv.engine.layouts.registry import describe_model, list_models
-from ckptconv.jobs.convert_model import layout_options
+
+# The model layouts (ckptconv.engine.layouts: its YAML tables are read and checked when first used)
+# are imported by the commands that use them, not by every command that registers its flags here.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +90,8 @@ def _classes(m: dict[str, Any]) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from ckptconv.engine.layouts.registry import describe_model, list_models
+
     if args.name and args.name.lower() != "all":
         view = describe_model(args.name)
         if args.hide_notes:
@@ -142,6 +144,9 @@ def cmd_convert_model(args: argparse.Namespace) -> int:
 
 
 def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> int:
+    from ckptconv.engine.layouts.api import open_model_source, plan_model
+    from ckptconv.jobs.convert_model import layout_options
+
     options = kind_options(args, "convert-model")
     if args.dry_run or args.debug:
         src = open_model_source(args.source, options.model, options.src_fmt)
@@ -173,6 +178,8 @@ def run_model_conversion(args: argparse.Namespace, output_dir: str | None) -> in
 
 
 def cmd_convert_config(args: argparse.Namespace) -> int:
+    from ckptconv.engine.layouts.api import convert_config
+
     out = convert_config(
         args.config,
         model=args.model,

@@ -6,8 +6,6 @@ import json
 import sys
 from typing import Any
 
-from ckptconv.storage.digests import ALGORITHM, entry_digests
-
 
 def human_size(n: float | None) -> str:
     """Bytes in decimal units (``427.52 KB``); ``-`` when unknown."""
@@ -88,6 +86,9 @@ def output_digest(output: dict[str, Any], width: int | None = None) -> str:
     """An output's digest as printed, named by its hash (``blake3:``; ``sha256:`` in a result of an
     earlier version), or for a file written out of order (no digest) its block digest with the
     block size it was computed over, as the manifest records it; ``width``: hex digits shown."""
+    # Here, not at the top: the storage package is no part of `--help` (see ckptconv.cli.main).
+    from ckptconv.storage.digests import ALGORITHM, entry_digests
+
     try:
         algorithm, digest, blocks = entry_digests(output)
     except ValueError:

@@ -14,13 +14,12 @@ import sys
 from typing import Any
 
 from ckptconv.cli.output import human_size, output_digest
-from ckptconv.client import Client
-from ckptconv.core.auth import create_key, generate_key, hash_key, list_keys, revoke_key
 from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest, NotFound
-from ckptconv.core.jobstore import RedisKeys
 from ckptconv.core.scopes import canonical_prefix
-from ckptconv.core.settings import Settings
 from ckptconv.jobs.kinds import KINDS
+
+# The service's clients (httpx, redis) and its settings are imported by the commands that use them:
+# every other command (a local `convert` among them) would pay for them at start-up.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -141,6 +140,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _settings() -> Any:
     from pydantic import ValidationError
 
+    from ckptconv.core.settings import Settings
+
     try:
         return Settings()
     except ValidationError as e:
@@ -213,6 +214,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Any:
+    from ckptconv.client import Client
+
     return Client(args.url, args.api_key, retries=args.retries)
 
 
@@ -395,12 +398,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def _redis_and_keys() -> tuple[Any, Any]:
     import redis
 
+    from ckptconv.core.jobstore import RedisKeys
+
     settings = _settings()
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
     return client, RedisKeys(settings.redis_prefix, settings.broker_prefix)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
+    from ckptconv.core.auth import create_key, generate_key, hash_key
+
     prefixes = [canonical_prefix(p) for p in args.prefix]
     for given, prefix in zip(args.prefix, prefixes, strict=True):
         if given != prefix:
@@ -425,6 +432,8 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
+    from ckptconv.core.auth import list_keys
+
     client, keys = _redis_and_keys()
     for rec in list_keys(client, keys):
         print(f"{rec.get('id')}  {rec.get('name')}  created {rec.get('created_at')}  {', '.join(rec['prefixes'])}")
@@ -432,6 +441,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from ckptconv.core.auth import revoke_key
+
     client, keys = _redis_and_keys()
     if not revoke_key(client, keys, args.ident):
         raise NotFound(f"no API key {args.ident}")

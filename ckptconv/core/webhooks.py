@@ -15,7 +15,6 @@ used as UTF-8 bytes.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
@@ -208,6 +207,10 @@ async def check_at_submit(url: str, allow_private: bool) -> None:
     Raises :class:`WebhookRefused` (422) for a refused destination or a name that does not exist,
     :class:`ServiceUnavailable` (503, retry) when name resolution failed for now.
     """
+    # asyncio is imported here, by the API's event loop that awaits this: the job records import this
+    # module for its error names, in processes (a local conversion) that run no event loop.
+    import asyncio
+
     _scheme, host, port = parse_destination(url)
     if allow_private:
         return

@@ -11,22 +11,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import CkptconvError, InvalidRequest, KeyCollision, UnsupportedValue
 from ckptconv.core.sizes import parse_size
 from ckptconv.core.uri import basename
 from ckptconv.engine.execute import Progress
-from ckptconv.engine.fanout import AutoParallelism, PartRunner, resolve_parallelism, run_fanout, run_part
 from ckptconv.engine.plan import Plan, identity_plan
 from ckptconv.engine.run import ConvertResult, fit_memory, jsonable, run_plan, source_facts
 from ckptconv.formats import sink_class
 from ckptconv.formats.detect import check_format, open_source, target_format_from_name
 from ckptconv.formats.sharding import plan_shards
-from ckptconv.formats.tf_bundle_codec import data_uri
-from ckptconv.formats.tf_bundle_write import TfSink
 from ckptconv.formats.tf_names import cerebras_keys, tf_name
 from ckptconv.formats.tree import DICT, ODICT, TreeSpec
+
+if TYPE_CHECKING:
+    from ckptconv.engine.fanout import AutoParallelism, PartRunner
 
 __all__ = ["convert", "convert_part", "h5_compression_options", "inspect", "plan_conversion"]
 
@@ -147,8 +147,16 @@ def convert(
             "job_id": job_id,
             "verify": verify,
         }
-        count = resolve_parallelism(parallelism, plan.bytes_total, to, auto_parallelism, common["sink_options"])
+        count = 1
+        # The fan-out machinery is imported by the runs that may fan out: a run of one part (every
+        # command-line conversion) does not pay for loading it.
+        if parallelism != 1:
+            from ckptconv.engine.fanout import resolve_parallelism
+
+            count = resolve_parallelism(parallelism, plan.bytes_total, to, auto_parallelism, common["sink_options"])
         if count > 1:
+            from ckptconv.engine.fanout import run_fanout
+
             result = run_fanout(plan, src, parallelism=count, runner=parts, memory_budget=memory_budget, **common)
         else:
             result = run_plan(plan, src, memory_budget=memory_budget, **common)
@@ -173,6 +181,8 @@ def convert_part(
 ) -> bool:
     """Part ``index`` of a fanned-out :func:`convert` (the same plan, rebuilt from the source's
     metadata); False when the part was already recorded."""
+    from ckptconv.engine.fanout import run_part
+
     src = open_source(source, source_format)
     try:
         plan = with_tf_names(identity_plan(src.entries(), src.spec, dtype=dtype), src.format, to)
@@ -231,6 +241,10 @@ def plan_conversion(
 
 def _shard_layout(to: str, plan: Plan, shard_size: int | str | None, target: str | None) -> list[dict[str, Any]]:
     if to == "tf" and shard_size is not None:
+        # The TensorFlow writer is imported by the plans that show its shards, not by every conversion.
+        from ckptconv.formats.tf_bundle_codec import data_uri
+        from ckptconv.formats.tf_bundle_write import TfSink
+
         groups = TfSink.planned_shards(plan.entries(), {"shard_size": shard_size})
         prefix = basename(target.rstrip("/")) if target else "<prefix>"
         return [

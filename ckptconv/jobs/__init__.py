@@ -29,8 +29,6 @@ from pydantic import BaseModel
 
 from ckptconv.core.errors import InvalidRequest
 from ckptconv.jobs.kinds import JobKind, get_kind
-from ckptconv.storage import open_storage
-from ckptconv.storage.digests import digest_facts
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,10 @@ def plan(ctx: JobContext) -> dict[str, Any]:
 
 def describe_outputs(uris: list[str], role: str = "data") -> list[dict[str, Any]]:
     """``[{uri, size, role, blake3}]`` of files a handler wrote without the engine (which checksums its own)."""
+    # Here, not at the top: every command imports this package for its contexts, few describe files.
+    from ckptconv.storage import open_storage
+    from ckptconv.storage.digests import digest_facts
+
     out = []
     for uri in uris:
         storage = open_storage(uri)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import CkptconvError
-from ckptconv.core.settings import get_settings
 from ckptconv.engine.convert import convert, convert_part, plan_conversion
-from ckptconv.engine.fanout import AutoParallelism
 from ckptconv.engine.run import end_unpublished
 from ckptconv.jobs import JobContext
+
+if TYPE_CHECKING:
+    from ckptconv.engine.fanout import AutoParallelism
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -40,6 +41,11 @@ def auto_parallelism(parallelism: int | str) -> AutoParallelism | None:
     """The deployment's limits for ``parallelism: "auto"`` (settings are read only then)."""
     if parallelism != "auto":
         return None
+    # Imported only then too: the settings (pydantic-settings) and the fan-out machinery are no
+    # part of a run of one part, which every command-line conversion is.
+    from ckptconv.core.settings import get_settings
+    from ckptconv.engine.fanout import AutoParallelism
+
     s = get_settings()
     return AutoParallelism(s.auto_parallelism_part_bytes, s.auto_parallelism_max)
 

@@ -30,8 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ckptconv.core.dtypes import DTYPE_SIZES
 from ckptconv.core.errors import CkptconvError, UnknownJobKind
 from ckptconv.core.sizes import parse_size
-from ckptconv.engine.layouts.registry import is_known_model, resolve
-from ckptconv.engine.layouts.upgrades import parse_model_format
+
+# The model tables (ckptconv.engine.layouts) are imported by the checks of the options that name a
+# model or a layout, when one is checked: a process that only lists the kinds or checks a container
+# conversion (the command line's `convert`, the API's schema) never reads them.
 
 
 class StorageUriMarker:
@@ -246,6 +248,8 @@ class ConvertModelOptions(KindOptions):
     @field_validator("model")
     @classmethod
     def _model(cls, value: str) -> str:
+        from ckptconv.engine.layouts.registry import is_known_model
+
         try:
             is_known_model(value)
         except CkptconvError as e:
@@ -255,6 +259,8 @@ class ConvertModelOptions(KindOptions):
     @field_validator("src_fmt", "tgt_fmt")
     @classmethod
     def _layout(cls, value: str, info: Any) -> str:
+        from ckptconv.engine.layouts.upgrades import parse_model_format
+
         try:
             parse_model_format(value, side="source" if info.field_name == "src_fmt" else "target")
         except CkptconvError as e:
@@ -286,6 +292,8 @@ ModelName = Annotated[str, Field(min_length=1, max_length=64, description="Model
 
 
 def _check_model(value: str | None) -> str | None:
+    from ckptconv.engine.layouts.registry import resolve
+
     if value is None:
         return value
     try:

@@ -10,20 +10,24 @@ wrapper table.
   by its family (:mod:`~ckptconv.engine.layouts.composite`); the module beside the table also
   writes each directory's config files (``hf_config_files``).
 
-Every composite and wrapper table has its module listed in ``PLANNERS``; the module provides
+Every composite and wrapper table has its module listed in ``PLANNER_MODULES``; the module provides
 ``MODEL_NAME``, ``build_plan`` and, for a wrapper, ``convert_config`` or, for a composite,
-``hf_config_files``.
+``hf_config_files``. Those modules read their tables when imported, so they are imported when a
+composite or wrapper model is first planned (:func:`planners`), not with this module: reading the
+tables (every YAML file under ``families/``, parsed and checked) is the costliest part of loading
+the layouts, and a process that imports them should pay for it when it first needs a table.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 from ckptconv.core.errors import NoConversionPath
 from ckptconv.engine.layouts.config_plan import ConfigResult, convert_family_config
-from ckptconv.engine.layouts.families import dpo, dpr, llava
 from ckptconv.engine.layouts.family import COMPOSITE
 from ckptconv.engine.layouts.planner import Request, build_family_plan
 from ckptconv.engine.layouts.registry import model_table, model_tables
@@ -32,15 +36,23 @@ from ckptconv.engine.layouts.tables import ModelTable
 from ckptconv.engine.plan import Plan
 from ckptconv.formats.base import TensorSource
 
-PLANNERS: dict[str, ModuleType] = {m.MODEL_NAME: m for m in (dpo, dpr, llava)}
-if set(PLANNERS) != set(model_tables()):
-    raise TableError(f"composite and wrapper tables {sorted(model_tables())} and their planners {sorted(PLANNERS)}")
+# Model name -> the module beside its table that plans it.
+PLANNER_MODULES = {name: f"ckptconv.engine.layouts.families.{name}" for name in ("dpo", "dpr", "llava")}
+
+
+@functools.cache
+def planners() -> dict[str, ModuleType]:
+    """The planner module of every composite and wrapper table, imported on first use."""
+    found = {name: importlib.import_module(module) for name, module in PLANNER_MODULES.items()}
+    if set(found) != set(model_tables()) or any(name != m.MODEL_NAME for name, m in found.items()):
+        raise TableError(f"composite and wrapper tables {sorted(model_tables())} and their planners {sorted(found)}")
+    return found
 
 
 def planner_of(model: str) -> tuple[ModelTable, ModuleType] | None:
     """The table and planner module of a composite or wrapper model; None for a family's model."""
     table = model_table(model)
-    return None if table is None else (table, PLANNERS[table.name])
+    return None if table is None else (table, planners()[table.name])
 
 
 def build_plan(
