@@ -23,6 +23,7 @@ throughput on moto: it reads a whole object for every ranged GET.
     python -m bench.s3_bench [--size 1GB] [--shard-size 512MB] [--workdir .bench] [--json]
     python -m bench.s3_bench --read-concurrency 1   # ckptconv's reads one request at a time
     python -m bench.s3_bench --fanout-workers ""    # without the fanned-out cases
+    python -m bench.s3_bench --local-fanout-only    # cp and the local fanned-out cases alone (no S3)
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from bench.convert_bench import (
     run_measured,
 )
 from bench.ports import free_port
-from bench.workers import Service
+from bench.workers import Service, cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 S3RVER_VERSION = "3.7.1"
@@ -64,10 +65,9 @@ def planned_peak(printed: Path) -> int | None:
     return memory.get("estimated_peak_bytes")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a live process has used (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def s3_cpu_seconds(server: subprocess.Popen | None) -> float:
+    """The CPU seconds the S3 server has used so far (0 without one)."""
+    return cpu_seconds(server.pid) if server is not None else 0.0
 
 
 def over(peak: int, estimate: int | None) -> str:
@@ -135,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / ".bench"), help="where files go (default .bench/)")
     ap.add_argument("--read-concurrency", type=int, help="ckptconv's parallel ranged GETs (default: its own)")
     ap.add_argument("--fanout-workers", default="1,2,4", help="worker counts of the fanned-out cases (default 1,2,4)")
+    ap.add_argument(
+        "--local-fanout-only",
+        action="store_true",
+        help="only cp and the fanned-out cases from local disk to local disk (no S3 server, no s5cmd)",
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = ap.parse_args(argv)
     fanout = [int(n) for n in args.fanout_workers.split(",") if n.strip()]
@@ -149,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(p for p in src.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
     largest = max(2 * _numel(s) for _, s in llama_shapes(size))
-    s5cmd = s5cmd_bin()
-    server, endpoint = start_s3rver(work / "s3rver")
-    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    with_s3 = not args.local_fanout_only
+    s5cmd = s5cmd_bin() if with_s3 else "s5cmd"
+    server, endpoint = start_s3rver(work / "s3rver") if with_s3 else (None, "")
+    env = {**os.environ, **CREDENTIALS, **({"AWS_ENDPOINT_URL": endpoint} if with_s3 else {})}
     if args.read_concurrency:
         env["CKPTCONV_S3_READ_CONCURRENCY"] = str(args.read_concurrency)
     os.environ.update(env)  # children inherit it
@@ -192,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                 "down+up",
             ),
         ]
+        if not with_s3:
+            cases = []
         dropped = drop_caches()
         results = []
         for name, cmd, baseline in cases:
@@ -199,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             if not name.startswith("s5cmd"):
                 cmd = [*cmd, "--no-progress", "--json"]
             drop_caches()
-            served = cpu_seconds(server.pid)
+            served = s3_cpu_seconds(server)
             wall, peak = run_measured(cmd, stdout=printed)
-            served = cpu_seconds(server.pid) - served
+            served = s3_cpu_seconds(server) - served
             estimate = planned_peak(printed) if not name.startswith("s5cmd") else None
             results.append(
                 {
@@ -217,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         if fanout:
             # The same job fanned out from S3 to S3, then from local disk to local disk, where no S3
             # server shares the machine's cores with the workers.
-            fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")]
+            fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")] if with_s3 else []
             fanned.append(("local st -> local cs-h5", str(src / "model.safetensors.index.json"), "cp"))
             drop_caches()
             shards = [str(p) for p in files if p.suffix == ".safetensors"]
@@ -241,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                         name = f"fan-out {label}, {n} worker{'s' if n > 1 else ''}"
                         where = f"{s3}/fan{n}" if source.startswith("s3://") else str(work / f"fan{n}")
                         drop_caches()
-                        served = cpu_seconds(server.pid)
-                        wall, peak = service.run(source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n)
-                        served = cpu_seconds(server.pid) - served if source.startswith("s3://") else None
+                        served = s3_cpu_seconds(server)
+                        wall, peak, cpu = service.run(
+                            source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n
+                        )
+                        served = s3_cpu_seconds(server) - served if source.startswith("s3://") else None
                         results.append(
                             {
                                 "case": name,
@@ -252,29 +262,34 @@ def main(argv: list[str] | None = None) -> int:
                                 "estimate": None,
                                 "baseline": baseline,
                                 "s3_cpu_s": served,
+                                "workers_cpu_s": cpu,
                             }
                         )
-                        print(f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB", flush=True)
+                        print(
+                            f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB, workers' CPU {cpu:.2f}s",
+                            flush=True,
+                        )
             finally:
                 service.stop()
     finally:
-        server.terminate()
-        server.wait()
+        if server is not None:
+            server.terminate()
+            server.wait()
         shutil.rmtree(work / "s3rver", ignore_errors=True)
         for d in (down, copied, *(work / f"fan{n}" for n in fanout)):
             shutil.rmtree(d, ignore_errors=True)
         for p in (work / "out.mdl", work / "out.mdl.manifest.json"):
             if p.exists():
                 p.unlink()
-    up, dn = results[0]["wall_s"], results[1]["wall_s"]
-    base = {"upload": up, "download": dn, "down+up": up + dn}
-    for r in results:
-        if r["case"].startswith("cp "):
-            base["cp"] = r["wall_s"]
+    walls = {r["case"]: r["wall_s"] for r in results}
+    base = {"cp": walls.get("cp (local -> local)", 0.0)}
+    if with_s3:
+        up, dn = walls["s5cmd upload (local -> s3)"], walls["s5cmd download (s3 -> local)"]
+        base.update({"upload": up, "download": dn, "down+up": up + dn})
     print()
     print(
         f"checkpoint: {total / 1e9:.2f} GB of safetensors in {len(files) - 2} shards, largest tensor"
-        f" {largest / 1e6:.0f} MB; S3: s3rver {S3RVER_VERSION} on loopback; page cache"
+        f" {largest / 1e6:.0f} MB; S3: {f's3rver {S3RVER_VERSION} on loopback' if with_s3 else 'none'}; page cache"
         f" {'dropped' if dropped else 'NOT dropped (not root)'} before each case"
     )
     print(

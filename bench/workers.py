@@ -3,11 +3,12 @@ loopback, started and stopped by the benchmark (nothing outside the run is touch
 
 One job at a time: :meth:`Service.run` starts ``workers`` worker processes (solo pool, as a
 deployment runs one job per process), submits a conversion with ``parallelism``, waits for it, and
-returns its wall time and the largest peak RSS among the workers.
+returns its wall time, the largest peak RSS among the workers and the CPU time they spent on it.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -51,8 +52,10 @@ class Service:
         self.procs.append(proc)
         return proc
 
-    def run(self, source: str, target: str, *, to: str, workers: int, parallelism: int) -> tuple[float, int]:
-        """Wall seconds from submit to the job's end, and the largest worker peak RSS in bytes."""
+    def run(self, source: str, target: str, *, to: str, workers: int, parallelism: int) -> tuple[float, int, float]:
+        """Wall seconds from submit to the job's end, the largest worker peak RSS in bytes, and the
+        workers' CPU seconds (user + system) from submit to the job's end: on a machine others use
+        too, the wall time follows their load, the CPU time less so."""
         from ckptconv.client import Client
 
         started = [self._spawn("worker", ["worker", "--pool", "solo", "--loglevel", "info"]) for _ in range(workers)]
@@ -64,10 +67,12 @@ class Service:
                         raise SystemExit(f"a worker did not start: see {proc.log_path}")  # type: ignore[attr-defined]
                     time.sleep(0.1)
             with Client(self.url) as c:
+                cpu = sum(cpu_seconds(p.pid) for p in started)
                 t0 = time.perf_counter()
                 job = c.submit(source, target, to=to, options={"parallelism": parallelism})
                 job = c.wait(job["id"], timeout=3600)
                 wall = time.perf_counter() - t0
+                cpu = sum(cpu_seconds(p.pid) for p in started) - cpu
             if job["state"] != "succeeded":
                 raise SystemExit(f"the fanned-out job ended {job['state']}: {job.get('error')}")
             peak = max(_peak_rss(p.pid) for p in started)
@@ -76,7 +81,7 @@ class Service:
                 proc.terminate()
             for proc in started:
                 proc.wait(timeout=60)
-        return wall, peak
+        return wall, peak, cpu
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -96,3 +101,9 @@ def _peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

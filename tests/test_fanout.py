@@ -768,3 +768,21 @@ def test_a_part_leaves_no_buffers_in_the_pool_when_it_ends(tmp_path: Path) -> No
     result = convert(source, str(tmp_path / "out" / "model.mdl"), to="cs-h5", parallelism=2, job_id="fan-pool")
     assert result.extras["parallelism"] == 2 and result.verify["ok"] is True
     assert POOL.idle_bytes == 0
+
+
+def test_a_part_reads_its_values_into_the_buffers_of_those_it_wrote(tmp_path: Path) -> None:
+    """A part lets the reads ahead of it claim a value's bytes only once it has written that value
+    and let it go, as the single-worker executor does: the next value is then read into the
+    buffer the last one left in the pool, not into fresh memory the kernel must zero first."""
+    from ckptconv.formats.memory import POOL
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"layers.{i}.w": torch.randn(1536, 1024, generator=g) for i in range(12)}  # 6 MiB each
+    source = str(tmp_path / "src.safetensors")
+    save_file(tensors, source)
+    POOL.clear()
+    before = POOL.fresh_bytes
+    result = convert(source, str(tmp_path / "out" / "model.mdl"), to="cs-h5", parallelism=2, job_id="fan-reuse")
+    assert result.extras["parallelism"] == 2 and result.verify["ok"] is True
+    # Each part: the value it writes and the one read ahead; the rest in their buffers.
+    assert POOL.fresh_bytes - before <= 2 * 2 * 6 * MiB

@@ -127,7 +127,8 @@ def run_part(
     crcs: dict[str, int] = {}  # the checksums the format records of the values this part computed
     recorded, tensors, written = [], 0, 0
     current: tuple[str, memoryview, Any] | None = None
-    # Values are read ahead (as the executor reads them) while the previous one is written.
+    # Values are read ahead while the previous one is written, within a budget that counts the one
+    # being written (as the executor reads them).
     keys = _part_inputs(files, doc["parts"][index], steps)
     sizes = {e.key: e.nbytes for e in src.entries()}
 
@@ -151,10 +152,19 @@ def run_part(
             on_read=hashed_as_read,
         )
 
+        taken: list[str] = []  # the source keys of the value being written
+
         def read(key: str) -> Any:
-            value = fetcher.get(key)
-            fetcher.release(key)  # held by the step being computed only
-            return value
+            taken.append(key)
+            return fetcher.get(key)
+
+        def let_go() -> None:
+            # The reads ahead claim the bytes of a value once it is written and gone, as the
+            # executor's do: its buffer is back in the pool for the next value, which is read into
+            # it rather than into fresh memory the kernel must zero first (as much CPU as the read).
+            for key in taken:
+                fetcher.release(key)
+            taken.clear()
 
         try:
             for fi, start, end in doc["parts"][index]:
@@ -166,24 +176,23 @@ def run_part(
                         local_blocks[fi] = WrittenBlocks(doc["block_size"])
                 for offset, n, span, at in _pieces(f, start, end):
                     if span is None:
-                        piece = memoryview(gaps[fi])[at : at + n]
+                        _write_piece(writers[fi], local_blocks.get(fi), offset, memoryview(gaps[fi])[at : at + n])
                     else:
                         if current is None or current[0] != span.source:
                             check_cancelled(cancelled)
-                            current = None  # drop the previous value before reading the next
+                            current = None  # the previous value's last reference: gone before the next is read
+                            let_go()
                             value = compute(steps[span.source], read)
                             digests[span.source] = value_digest(value)
                             current = (span.source, value_bytes(value), value)
+                            del value
                             tensors += 1
-                        piece = span_bytes(f, span, current[1], crcs)[at : at + n]
-                    # In pieces, each hashed right after it is written, while still in the CPU's
-                    # caches: a whole value (up to hundreds of MB) would be read from memory twice,
-                    # and single writes that large into the page cache cost more per byte.
-                    for done in range(0, n, WRITE_PIECE_BYTES):
-                        chunk = piece[done : done + WRITE_PIECE_BYTES]
-                        writers[fi].write_at(offset + done, chunk)
-                        if fi in local_blocks:
-                            local_blocks[fi].wrote(offset + done, chunk)
+                        _write_piece(
+                            writers[fi],
+                            local_blocks.get(fi),
+                            offset,
+                            span_bytes(f, span, current[1], crcs)[at : at + n],
+                        )
                     written += n
                     if runner is not None:
                         runner.report(index, tensors, written)
@@ -227,6 +236,17 @@ def run_part(
     with contextlib.suppress(TargetExists):  # a duplicate that ran meanwhile wrote the same record
         storage.write_bytes(_part_uri(layout, index), json.dumps(record).encode())
     return True
+
+
+def _write_piece(writer: Any, blocks: WrittenBlocks | None, offset: int, piece: memoryview) -> None:
+    """Write ``piece`` at ``offset``, in pieces, each hashed into ``blocks`` (a local file's) right
+    after it is written, while still in the CPU's caches: a whole value (up to hundreds of MB) would
+    be read from memory twice, and single writes that large into the page cache cost more per byte."""
+    for done in range(0, len(piece), WRITE_PIECE_BYTES):
+        chunk = piece[done : done + WRITE_PIECE_BYTES]
+        writer.write_at(offset + done, chunk)
+        if blocks is not None:
+            blocks.wrote(offset + done, chunk)
 
 
 def _writer(storage: Storage, f: FileLayout, doc: dict[str, Any], held: str) -> Any:
