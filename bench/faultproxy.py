@@ -11,6 +11,10 @@ Every request is forwarded to the upstream server (moto in the tests); at ``rate
 - ``nolength``: forwarded; the answer without ``Content-Length`` and with half of the body, then
   the connection closes (a short body nobody announced).
 
+An answer without a fault goes out whole, or with ``piece_bytes`` in pieces of that many bytes
+and ``piece_pause_s`` between them: a body that arrives a little at a time, as from a server
+slower than its client.
+
 ``counts`` tells how many of each were injected (tests check that faults really happened).
 Used as ``with FaultProxy(upstream, rate=0.05) as proxy: ... proxy.url``.
 """
@@ -46,6 +50,8 @@ class FaultProxy:
         seed: int = 0,
         delay_s: float = 0.0,
         keep_alive: bool = False,
+        piece_bytes: int = 0,
+        piece_pause_s: float = 0.0,
     ) -> None:
         unknown = set(faults) - set(FAULTS)
         if unknown:
@@ -69,6 +75,8 @@ class FaultProxy:
         # Drop the upstream's "Connection: close" (moto's server closes after every answer), so
         # that ``connections`` tells how the client reuses its connections.
         self.keep_alive = keep_alive
+        self.piece_bytes = piece_bytes
+        self.piece_pause_s = piece_pause_s
         # Called with (method, path, lower-cased headers) for every request: tests record what was asked.
         self.on_request: Callable[[str, str, dict[str, str]], None] | None = None
         self._rng = random.Random(seed)
@@ -180,7 +188,7 @@ class FaultProxy:
                     whole = _response_bytes(resp.status, resp.reason, out_headers, data, head=is_head)
                     if fault is None:
                         answer_starts()
-                        client.sendall(whole)
+                        self._send_in_pieces(client, whole)
                         continue
                     if fault == "nolength":
                         kept = [(k, v) for k, v in out_headers if k.lower() not in ("content-length", "connection")]
@@ -212,6 +220,13 @@ class FaultProxy:
                 client.close()
             except OSError:
                 pass
+
+    def _send_in_pieces(self, client: socket.socket, data: bytes) -> None:
+        step = self.piece_bytes or len(data) or 1
+        for at in range(0, len(data), step):
+            if at and self.piece_pause_s:
+                time.sleep(self.piece_pause_s)
+            client.sendall(data[at : at + step])
 
 
 def _read_request(reader) -> tuple[str, str, list[tuple[str, str]], bytes] | None:

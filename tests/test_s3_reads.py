@@ -4,6 +4,8 @@ proxy of bench/faultproxy.py; never a throughput measurement: see bench/s3_bench
 from __future__ import annotations
 
 import os
+import socket
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -61,6 +63,71 @@ def test_ranged_reads_into_the_buffer_keep_their_connections(s3_bucket, s3_serve
         assert storage.read_range(f"s3://{s3_bucket}/blob", 7, 20 * MiB) == data[7 : 7 + 20 * MiB]
         assert proxy.requests == 11
         assert proxy.connections == 1
+
+
+def _recv_calls_from(port: int, monkeypatch) -> list[int]:
+    """The sizes of the reads from sockets connected to ``port`` (the client's side), from now on."""
+    sizes: list[int] = []
+    real = socket.socket.recv_into
+
+    def counted(sock, buffer, *args, **kwargs):
+        n = real(sock, buffer, *args, **kwargs)
+        if sock.getpeername()[1] == port:
+            sizes.append(n)
+        return n
+
+    monkeypatch.setattr(socket.socket, "recv_into", counted)
+    return sizes
+
+
+def test_a_body_that_arrives_a_little_at_a_time_is_taken_from_the_socket_in_large_reads(
+    s3_bucket, s3_server, monkeypatch
+):
+    """A reading thread wakes once a slice of the body waits in the socket, not at every packet:
+    each wake-up costs a system call, a thread switch and the GIL."""
+    data = os.urandom(16 * MiB)
+    S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/blob", data)
+    piece = 64 << 10
+    with FaultProxy(s3_server, keep_alive=True, piece_bytes=piece, piece_pause_s=0.001) as proxy:
+        storage = S3Storage(proxy.url)
+        reads = _recv_calls_from(urlsplit(proxy.url).port, monkeypatch)
+        buf = bytearray(len(data))
+        storage.read_into(f"s3://{s3_bucket}/blob", 0, buf)
+    assert buf == data
+    # One read per MiB of the body, the headers' and the last MiB's (whose pieces are taken as
+    # they come: a read that waited for more than the body still holds would never end) aside.
+    assert len(reads) <= len(data) // MiB + MiB // piece + 4, reads
+
+
+def test_a_connection_is_handed_back_ready_for_a_small_answer(s3_bucket, s3_server, monkeypatch):
+    """A connection that read a body in large reads goes back to the pool waking at its first byte
+    again: the next answer on it (headers, a small body) arrives without waiting for more."""
+    monkeypatch.setenv("CKPTCONV_S3_READ_TIMEOUT_S", "5")
+    monkeypatch.setenv("CKPTCONV_S3_READ_CONCURRENCY", "1")
+    data = os.urandom(8 * MiB)
+    S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/blob", data)
+    with FaultProxy(s3_server, keep_alive=True) as proxy:
+        storage = S3Storage(proxy.url, max_attempts=1)
+        buf = bytearray(len(data))
+        storage.read_into(f"s3://{s3_bucket}/blob", 0, buf)
+        assert buf == data
+        assert storage.read_range(f"s3://{s3_bucket}/blob", 5, 10) == data[5:15]
+        assert storage.stat(f"s3://{s3_bucket}/blob").size == len(data)
+        assert proxy.connections == 1
+
+
+def test_a_range_past_the_end_of_an_object_is_a_short_read_at_once(s3_bucket, s3_server, monkeypatch):
+    """A body shorter than the range asked for (a truncated object) ends where its length says:
+    no read waits for bytes beyond it."""
+    monkeypatch.setenv("CKPTCONV_S3_READ_TIMEOUT_S", "5")
+    data = os.urandom(3 * MiB + 5)
+    S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/blob", data)
+    with FaultProxy(s3_server, keep_alive=True) as proxy:
+        buf = bytearray(8 * MiB)
+        with pytest.raises(CorruptCheckpoint, match="ends early") as raised:
+            S3Storage(proxy.url, max_attempts=1).read_into(f"s3://{s3_bucket}/blob", 0, buf)
+    assert raised.value.details["got"] == len(data)
+    assert buf[: len(data)] == data
 
 
 def test_values_are_read_in_parallel_with_at_most_the_read_concurrency_in_flight(
