@@ -32,8 +32,8 @@ log = logging.getLogger("ckptconv.api")
 _CHECKS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckptconv-target-check")
 
 # The checks under way, by target: requests for a target that is being checked wait for that check
-# rather than starting their own, so a burst of submissions to one target costs one HEAD and one
-# list, not one each (32 at once used to exceed the timeout on a loaded machine, answering 503s).
+# rather than starting their own, so a burst of submissions to one target costs one check (its HEADs
+# and its list), not one each (32 at once used to exceed the timeout on a loaded machine, answering 503s).
 # Its answer is at most one check old for every request that joins it, which the check could be
 # anyway; two jobs on one target are kept apart by the reservation, not by this check.
 _under_way: dict[tuple[str, str | None], asyncio.Future[str | None]] = {}
@@ -50,9 +50,9 @@ def warm_up() -> None:
 
 
 async def refuse_existing_target(target_doc: dict[str, Any], timeout: float) -> None:
-    """Raise TargetTaken when something exists at the target (one HEAD and one list, plus the
-    ``.index`` for a TF bundle); StorageUnavailable (503) when the store fails or is slower than
-    ``timeout`` seconds."""
+    """Raise TargetTaken when something exists at the target (a HEAD of it, one list under it, a
+    HEAD of the manifest name beside it, plus the ``.index`` for a TF bundle); StorageUnavailable
+    (503) when the store fails or is slower than ``timeout`` seconds."""
     uri, fmt = target_identity(target_doc["uri"]), target_doc.get("format")  # s3://b/out/ is s3://b/out
     if is_local(uri) and _nothing_at(local_path_of(uri), fmt):
         return

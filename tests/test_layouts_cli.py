@@ -86,6 +86,44 @@ def test_convert_model_round_trip(tiny_llama: Path, tmp_path: Path, capsys: pyte
     assert loaded.config.num_key_value_heads == 2
 
 
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_a_config_name_taken_beside_the_target_refuses_the_model_conversion_before_any_work(
+    tiny_llama: Path, tmp_path: Path, parallelism: int
+) -> None:
+    # A model conversion publishes its config beside the checkpoint file: with that name taken by
+    # other bytes the publication could only fail, so the job must fail before it reads a tensor.
+    from ckptconv.core.errors import TargetExists
+    from ckptconv.engine.layouts.api import convert_model
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config_to_cs-2.9.yaml").write_text("someone else's config\n")
+    stages: list[str] = []
+    with pytest.raises(TargetExists, match=r"config_to_cs-2\.9\.yaml"):
+        convert_model(
+            str(tiny_llama),
+            str(out),
+            model="llama",
+            src_fmt="hf",
+            tgt_fmt="cs-2.9",
+            parallelism=parallelism,
+            progress=lambda p: stages.append(p.stage),
+        )
+    assert stages == [] and sorted(p.name for p in out.iterdir()) == ["config_to_cs-2.9.yaml"]
+    assert (out / "config_to_cs-2.9.yaml").read_text() == "someone else's config\n"
+
+
+def test_a_config_beside_the_target_holding_the_bytes_to_write_is_no_obstacle(tiny_llama: Path, tmp_path: Path) -> None:
+    # Publication accepts a final name that already holds the staged bytes; so does the early check.
+    from ckptconv.engine.layouts.api import convert_model
+
+    first = convert_model(str(tiny_llama), str(tmp_path / "out"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
+    Path(first.target).unlink()
+    Path(first.manifest).unlink()
+    again = convert_model(str(tiny_llama), str(tmp_path / "out"), model="llama", src_fmt="hf", tgt_fmt="cs-2.9")
+    assert Path(again.target).exists() and Path(again.manifest).exists()
+
+
 def test_convert_model_dry_run_and_errors(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(
         ["convert-model", str(tiny_llama), "--model", "llama", "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", "--dry-run"]

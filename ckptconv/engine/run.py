@@ -187,7 +187,7 @@ def run_plan(
     done = _resume(layout, job_id)
     if done is not None:
         return done
-    occupied = layout.occupied(to)
+    occupied = layout.occupied(to, extra_files)
     if occupied is not None:
         raise TargetExists(f"{occupied} already exists", uri=occupied)
 

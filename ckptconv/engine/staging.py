@@ -56,8 +56,28 @@ class _Layout:
     def manifest_candidates(self) -> list[str]:
         return [self.target + "/" + MANIFEST_NAME, self.target + MANIFEST_SUFFIX]
 
-    def occupied(self, fmt: str | None) -> str | None:
-        return occupant(self.storage, self.target, fmt)
+    def occupied(self, fmt: str | None, extra_files: dict[str, bytes] | None = None) -> str | None:
+        """What is in the way of publishing here (see :func:`occupant`), or an extra file's final
+        name beside the target (a model conversion's config) taken by other bytes than the run's:
+        publication accepts a name already holding the bytes it places, and refuses any other."""
+        found = occupant(self.storage, self.target, fmt)
+        if found is not None:
+            return found
+        for rel, data in (extra_files or {}).items():
+            uri = self.storage.join(self.parent, rel)
+            if not uri.startswith(self.target + "/") and _holds_other_bytes(self.storage, uri, data):
+                return uri
+        return None
+
+
+def _holds_other_bytes(storage: Storage, uri: str, data: bytes) -> bool:
+    """True when something exists at ``uri`` and is not ``data`` (an extra file is small: a config)."""
+    try:
+        if storage.stat(uri).size != len(data):
+            return True
+        return storage.read_all(uri) != data
+    except ObjectNotFound:
+        return False
 
 
 def occupant(storage: Storage, target: str, fmt: str | None) -> str | None:

@@ -215,7 +215,7 @@ def run_fanout(
     done = _resume(layout, job_id)
     if done is not None:
         return done
-    occupied = layout.occupied(to)
+    occupied = layout.occupied(to, extra_files)
     if occupied is not None:
         raise TargetExists(f"{occupied} already exists", uri=occupied)
     _discard(layout)  # a previous try of this attempt may have left a partial staging area
