@@ -49,3 +49,15 @@ def test_a_tolerance_that_is_no_tolerance_is_a_typed_error(pair, capsys, flag, v
     argv = ["diff", *pair, "--tensor_comparison_op", "allclose", flag, value]
     assert main(argv) == EXIT_ERROR
     assert "error [invalid_request]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command", [["keys", "list"], ["keys", "create", "--name", "ops", "--prefix", "s3://b/"], ["keys", "revoke", "k1"]]
+)
+def test_an_unreachable_redis_is_a_typed_error_of_the_key_commands(capsys, monkeypatch, command):
+    # Port 1 on loopback: nothing listens there, so the connection is refused at once.
+    monkeypatch.setenv("CKPTCONV_REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("CKPTCONV_ENVIRONMENT", "development")
+    assert main(command) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "error [service_unavailable]" in err and "redis://127.0.0.1:1/0" in err

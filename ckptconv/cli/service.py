@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from ckptconv.cli.output import human_size, output_digest
-from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest, NotFound
+from ckptconv.core.errors import Cancelled, CkptconvError, InvalidRequest, NotFound, ServiceUnavailable
 from ckptconv.core.scopes import canonical_prefix
 from ckptconv.jobs.kinds import KINDS
 
@@ -396,12 +396,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _redis_and_keys() -> tuple[Any, Any]:
+    """A Redis client and the key names, once Redis has answered: an unreachable Redis is a typed
+    503-style error naming the URL, not a crash in the middle of a key command."""
     import redis
 
     from ckptconv.core.jobstore import RedisKeys
 
     settings = _settings()
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise ServiceUnavailable(
+            f"Redis at {settings.redis_url} does not answer: {e}",
+            hint="start Redis or set CKPTCONV_REDIS_URL to one that runs; API keys live there",
+        ) from e
     return client, RedisKeys(settings.redis_prefix, settings.broker_prefix)
 
 
