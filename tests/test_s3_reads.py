@@ -315,3 +315,17 @@ def test_a_contiguous_h5_dataset_is_one_ranged_read_of_its_bytes(s3_bucket, reco
     assert len(ranges) == 1, seen
     first, last = (int(x) for x in ranges[0].removeprefix("bytes=").split("-"))
     assert last - first + 1 == tensors["layers.2.w"].nbytes
+
+
+def test_a_body_slower_than_a_slice_per_read_timeout_is_still_read(s3_bucket, s3_server, monkeypatch):
+    """A server that keeps sending, but less than a slice within the read timeout, is slow, not
+    stalled: a read that timed out waiting for a whole slice is retried taking the body as it
+    comes, and the object is read."""
+    monkeypatch.setenv("CKPTCONV_S3_READ_TIMEOUT_S", "1")
+    data = os.urandom(2 * MiB + MiB // 2)
+    S3Storage(s3_server).write_bytes(f"s3://{s3_bucket}/blob", data)
+    # 64 KiB every 0.1 s: a slice (1 MiB) takes 1.6 s, a packet never more than 0.1 s.
+    with FaultProxy(s3_server, keep_alive=True, piece_bytes=64 << 10, piece_pause_s=0.1) as proxy:
+        buf = bytearray(len(data))
+        S3Storage(proxy.url, max_attempts=3).read_into(f"s3://{s3_bucket}/blob", 0, buf)
+    assert buf == data

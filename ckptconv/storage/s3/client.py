@@ -32,7 +32,8 @@ from ckptconv.core.errors import CkptconvError, ObjectNotFound, StorageError, Ta
 # A handful of engine threads plus one background uploader per open writer (plus the parallel reads).
 MAX_POOL_CONNECTIONS = 16
 # A response that sends no byte for this long is a stalled connection: retried. (A ranged read of
-# a body waits for a MiB at a time: see ckptconv.storage.s3.reads.)
+# a body waits for a MiB at a time, then after such a timeout as it comes: see
+# ckptconv.storage.s3.reads.)
 DEFAULT_READ_TIMEOUT_S = 60.0
 
 _CREDENTIALS_HINT = (

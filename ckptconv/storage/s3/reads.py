@@ -14,7 +14,9 @@ switch and the GIL per 64 KiB or so. While a body is read the socket's receive l
 (``SO_RCVLOWAT``) is raised to a slice (1 MiB): the thread sleeps until that much waits, then
 takes it in one call (:class:`_LowWater`). 1 GB read from a local s3rver by 8 threads took
 0.76-0.94 CPU-s (9,000 thread switches), now 0.47-0.55 (1,400). The read timeout then counts from
-the last slice, not the last packet.
+the last slice, not the last packet; once a read timed out so, the storage takes bodies as they
+come: the part is retried and a server slower than a slice per timeout is still read, at the cost
+of one timeout.
 
 Settings (environment, read when the storage is built): ``CKPTCONV_S3_READ_CONCURRENCY``
 (default 8) GETs in flight, each of at most ``CKPTCONV_S3_READ_PART_SIZE`` bytes (default 16 MiB).
@@ -72,6 +74,10 @@ class RangedGets:
         self._slots = threading.BoundedSemaphore(self.concurrency)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        # Set once a read timed out waiting for a whole slice: the server may send less than a
+        # slice per read timeout, so bodies are taken as they come from then on (the read timeout
+        # counts from the last packet again, as a stall's should).
+        self._as_it_comes = False
 
     def read_into(self, uri: str, bucket: str, key: str, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the object's bytes from ``offset`` (CorruptCheckpoint past its end)."""
@@ -174,7 +180,7 @@ class RangedGets:
             skip, _end, total = _served_range(r.get("ContentRange"), start)
             announced = r.get("ContentLength")
             _skip(raw, skip)  # a server that ignored Range sends the object from byte 0
-            readinto, low_water = _body_reader(raw)
+            readinto, low_water = _body_reader(raw, slices=not self._as_it_comes)
             # Where the body ends, in the buffer (a truncated object's ends before the range does);
             # unannounced, nowhere a read may wait for.
             body_end = done[0] + int(announced) - skip if announced is not None else done[0]
@@ -185,6 +191,9 @@ class RangedGets:
                     n = readinto(view[done[0] : done[0] + READ_SLICE])
                 except http.client.HTTPException as e:  # a broken chunked body
                     raise TruncatedResponse(f"the body broke: {type(e).__name__}: {e}") from e
+                except TimeoutError:  # a stall, or a server slower than a slice per read timeout
+                    self._as_it_comes = self._as_it_comes or low_water.raised
+                    raise
                 if not n:
                     break
                 done[0] += n
@@ -220,9 +229,9 @@ def _served_range(content_range: str | None, start: int) -> tuple[int, int | Non
     return 0, last_n, int(total_text) if total_text.isdigit() else None
 
 
-def _body_reader(raw: Any) -> tuple[Callable[[memoryview], int], _LowWater]:
+def _body_reader(raw: Any, *, slices: bool = True) -> tuple[Callable[[memoryview], int], _LowWater]:
     """The body's ``readinto`` that fills the caller's buffer from the socket, and the low-water
-    mark of the socket it reads from.
+    mark of the socket it reads from (never raised unless ``slices``: the body is taken as it comes).
 
     urllib3's ``readinto`` reads a new bytes object and copies it into the buffer: a fresh
     allocation and a copy of every byte. The http.client response under it reads into the buffer
@@ -232,7 +241,7 @@ def _body_reader(raw: Any) -> tuple[Callable[[memoryview], int], _LowWater]:
     # botocore asks urllib3 for the bytes as sent (no decoding), so nothing waits in its buffers.
     if isinstance(fp, http.client.HTTPResponse) and getattr(raw, "decode_content", True) is False:
         connection = getattr(raw, "connection", None)
-        return fp.readinto, _LowWater(getattr(connection, "sock", None))
+        return fp.readinto, _LowWater(getattr(connection, "sock", None) if slices else None)
     # urllib3 reads ahead of what it is asked for: the mark could wait for bytes it holds already.
     return raw.readinto, _LowWater(None)
 
@@ -259,6 +268,11 @@ class _LowWater:
     def before_slice(self, following: int) -> None:
         """Set the mark for the next slice, which ``following`` bytes of the body come after."""
         self._set(max(1, min(READ_SLICE, following - LOW_WATER_MARGIN)))
+
+    @property
+    def raised(self) -> bool:
+        """True while a read waits for more than one byte."""
+        return self._mark > 1
 
     def reset(self) -> bool:
         """The mark back at one byte; False when that failed (the connection must not be reused)."""
