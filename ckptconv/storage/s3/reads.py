@@ -295,7 +295,7 @@ class _LowWater:
 
 def _release(raw: Any) -> None:
     """Return the connection of a body read whole to the pool (urllib3 did not see its end when
-    :func:`_readinto` read past it); one not read to its end is closed with the body."""
+    the reader of :func:`_body_reader` read past it); one not read to its end is closed with the body."""
     fp = getattr(raw, "_fp", None)
     if isinstance(fp, http.client.HTTPResponse) and fp.isclosed():
         raw.release_conn()
