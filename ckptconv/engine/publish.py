@@ -29,7 +29,7 @@ from ckptconv.engine.staging import (
 )
 from ckptconv.formats.base import OutputFile
 from ckptconv.storage.base import Storage
-from ckptconv.storage.digests import entry_digests, stored_digests
+from ckptconv.storage.digests import entry_digests, stored_block_digest
 
 
 @dataclass
@@ -121,7 +121,9 @@ def _holds(storage: Storage, uri: str, entry: dict[str, Any]) -> bool:
     algorithm, digest, blocks = entry_digests(entry)
     if digest is not None:
         return storage.digest(uri, algorithm) == digest
-    return blocks is not None and stored_digests(storage, uri, blocks["block_size"], algorithm)[1] == blocks[algorithm]
+    if blocks is None:
+        return False
+    return stored_block_digest(storage, uri, blocks["block_size"], algorithm) == blocks[algorithm]
 
 
 def _publish(layout: _Layout, job_id: str | None) -> ConvertResult:

@@ -32,7 +32,7 @@ import io
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import blake3
@@ -216,20 +216,33 @@ def stored_digests(storage: Storage, uri: str, block_size: int, algorithm: str =
         return file_digests(f, block_size, algorithm)
 
 
+def stored_block_digest(storage: Storage, uri: str, block_size: int, algorithm: str = ALGORITHM) -> str:
+    """The block digest alone of the object at ``uri`` (no whole-file hash beside it)."""
+    with storage.open_reader(uri) as f:
+        return combine([hex_digest(block, algorithm) for block in _blocks(f, block_size)], algorithm)
+
+
 def file_digests(f: BinaryIO, block_size: int, algorithm: str = ALGORITHM) -> tuple[str, str]:
     """(digest, block digest) of everything ``f`` reads, in one pass."""
     whole = new_hash(algorithm)
     blocks: list[str] = []
+    for block in _blocks(f, block_size):
+        whole.update(block)
+        blocks.append(hex_digest(block, algorithm))
+    return whole.hexdigest(), combine(blocks, algorithm)
+
+
+def _blocks(f: BinaryIO, block_size: int) -> Iterator[memoryview]:
+    """What ``f`` reads, block by block (each whole, whatever the reads return; the last may be
+    shorter), in one reused buffer: a block is valid until the next is asked for."""
     buf = memoryview(bytearray(block_size))
     while True:
         n = 0
-        while n < block_size and (got := f.readinto(buf[n:])):  # a block whole, whatever the reads return
+        while n < block_size and (got := f.readinto(buf[n:])):
             n += got
         if n == 0:
-            break
-        whole.update(buf[:n])
-        blocks.append(hex_digest(buf[:n], algorithm))
-    return whole.hexdigest(), combine(blocks, algorithm)
+            return
+        yield buf[:n]
 
 
 def holds_output(data: bytes, entry: dict[str, Any]) -> bool:
