@@ -863,14 +863,14 @@ def test_blocks_not_hashed_as_written_are_read_back_while_fsync_waits(tmp_path, 
 
 
 def test_a_local_contiguous_value_is_written_and_hashed_in_pieces(tmp_path, monkeypatch) -> None:
-    """A value of the contiguous layout goes to the file in pieces of WRITE_PIECE_BYTES, each
-    handed to the block digest right after its write, while it is still in the caches (one write
-    of a whole value cost the kernel more per byte); the digest is still the file's."""
+    """A value of the contiguous layout goes to the file's writer in pieces of WRITE_PIECE_BYTES,
+    each handed to the block digest right after the writer took it, while it is still in the
+    caches (a whole value would be read from memory twice); the digest is still the file's."""
     from ckptconv.formats.sharding import WRITE_PIECE_BYTES
     from ckptconv.storage import local
     from ckptconv.storage.digests import DEFAULT_BLOCK_SIZE, WrittenBlocks, file_digests
 
-    wrote, pwrite_all = WrittenBlocks.wrote, local.pwrite_all
+    wrote, write_at = WrittenBlocks.wrote, local.LocalPatch.write_at
     hashed: list[int] = []
     writes: list[int] = []
 
@@ -878,12 +878,12 @@ def test_a_local_contiguous_value_is_written_and_hashed_in_pieces(tmp_path, monk
         hashed.append(memoryview(data).nbytes)
         return wrote(self, offset, data)
 
-    def writing(fd, data, offset):  # type: ignore[no-untyped-def]
+    def writing(self, offset, data):  # type: ignore[no-untyped-def]
         writes.append(memoryview(data).nbytes)
-        return pwrite_all(fd, data, offset)
+        return write_at(self, offset, data)
 
     monkeypatch.setattr(WrittenBlocks, "wrote", hashing)
-    monkeypatch.setattr(local, "pwrite_all", writing)  # under LocalPatch.write_at
+    monkeypatch.setattr(local.LocalPatch, "write_at", writing)
     out = tmp_path / "out.mdl"
     big = torch.randn(7 * WRITE_PIECE_BYTES // 16 + 3, 2)  # 3.5 MiB and 24 bytes
     entries, spec, values = entries_from_tree({"big": big, "b": torch.randn(7)})

@@ -28,7 +28,8 @@ import numpy as np
 
 from ckptconv.formats.sharding import WRITE_PIECE_BYTES
 from ckptconv.storage.digests import WrittenBlocks
-from ckptconv.storage.local import LocalPatch, pwrite_all
+from ckptconv.storage.direct_io import pwrite_all
+from ckptconv.storage.local import LocalPatch
 from ckptconv.storage.part_upload import PartUpload
 
 # The metadata block of a contiguous file: room for each dataset's object header and attributes
@@ -64,11 +65,13 @@ def region_of(ds: h5py.Dataset) -> Region | None:
 
 class LocalPlacement:
     """Positioned writes into the skeleton, which is the output file; each reported to
-    ``written`` (the file's block digest) when given. A failed write (a full disk where no
-    reservation stands) is a typed storage error naming ``uri``."""
+    ``written`` (the file's block digest) when given. The values go around the page cache and
+    land behind the caller (:mod:`ckptconv.storage.direct_io`): :meth:`flush` waits for them. A
+    failed write (a full disk where no reservation stands) is a typed storage error naming ``uri``,
+    raised by the next call."""
 
     def __init__(self, path: str, uri: str, written: WrittenBlocks | None = None) -> None:
-        self._file = LocalPatch(uri, path)
+        self._file = LocalPatch(uri, path, direct=True)
         self._written = written
 
     def place(self, region: Region, data: memoryview) -> None:
@@ -81,11 +84,17 @@ class LocalPlacement:
             if self._written is not None:
                 self._written.wrote(region.offset + at, piece)
 
+    def flush(self) -> None:
+        """Every value placed so far is in the file: before HDF5 writes its last metadata and
+        the file is measured."""
+        self._file.flush()
+
     def finish(self, path: str, size: int) -> None:
-        self.close()
+        self._file.close(sync=False)  # the sink fsyncs the file once HDF5 has closed it
 
     def close(self) -> None:
-        self._file.close(sync=False)  # the sink fsyncs the file once HDF5 has closed it
+        """Let go, dropping what is not written yet (after :meth:`flush`, nothing)."""
+        self._file.abandon()
 
 
 class SkeletonOnly:

@@ -325,6 +325,14 @@ class CsH5Sink(CerebrasSink):
 
     def _commit(self) -> list[OutputFile]:
         assert self._tmp_path is not None
+        if isinstance(self._placement, LocalPlacement):
+            # The values still on their way land before HDF5 adds its last metadata, the reserve
+            # is given back and the file is measured.
+            try:
+                self._placement.flush()
+            except BaseException:
+                self.abort()
+                raise
         self._on_h5_thread(self._finish, self._record_texts())
         self._close_file()  # stops the HDF5 thread
         if self._reserved:

@@ -39,6 +39,7 @@ from ckptconv.core.errors import (
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import local_path_of
 from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, Storage, Writer
+from ckptconv.storage.direct_io import DirectWrites, pwrite_all
 from ckptconv.storage.ranges import check_range, short_read
 
 # Temp files of writers in flight (and the ones cstorch leaves behind when a save fails).
@@ -154,7 +155,11 @@ def _copy_then_place(src: str, dst: str, *, overwrite: bool, uri: str) -> None:
 
 
 class LocalWriter(Writer):
-    """Streams into a temp file next to the target; see the module docstring for how commit places it."""
+    """Streams into a temp file next to the target; see the module docstring for how commit places it.
+
+    Once :meth:`preallocate` announced a file of known size (an output's bulk data), its bytes go
+    around the page cache and land behind the caller (:mod:`ckptconv.storage.direct_io`);
+    :meth:`commit` waits for them."""
 
     def __init__(self, uri: str, path: str, *, overwrite: bool) -> None:
         self.uri = uri
@@ -170,6 +175,7 @@ class LocalWriter(Writer):
                 raise TargetExists(f"{uri} already exists", uri=uri)
             self._tmp = _temp_name(path)
             self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed by commit/abort
+        self._direct: DirectWrites | None = None
 
     @property
     def bytes_written(self) -> int:
@@ -179,7 +185,12 @@ class LocalWriter(Writer):
         if self._state != "open":
             raise SinkProtocolError(f"write to a {self._state} writer for {self.uri}")
         with _os_errors(self.uri, reading=False):
-            n = self._file.write(data)
+            if self._direct is not None:
+                view = memoryview(data)
+                self._direct.write_at(self._written, view)
+                n = view.nbytes
+            else:
+                n = self._file.write(data)
         self._written += n
         return n
 
@@ -194,12 +205,17 @@ class LocalWriter(Writer):
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
                 os.ftruncate(self._file.fileno(), size)
+            if self._direct is None and self._file.tell() == self._written:
+                self._direct = DirectWrites(self._tmp, self._file.fileno())
 
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Place ``data`` at ``offset`` of the temp file (a positioned write; the stream position stays)."""
         if self._state != "open":
             raise SinkProtocolError(f"write to a {self._state} writer for {self.uri}")
         with _os_errors(self.uri, reading=False):
+            if self._direct is not None:
+                self._direct.write_at(offset, memoryview(data))
+                return
             self._file.flush()
             pwrite_all(self._file.fileno(), memoryview(data), offset)
 
@@ -211,6 +227,8 @@ class LocalWriter(Writer):
             raise SinkProtocolError(f"commit of an aborted writer for {self.uri}")
         try:
             with _os_errors(self.uri, reading=False):
+                if self._direct is not None:
+                    self._direct.close()
                 self._file.flush()
                 os.fsync(self._file.fileno())
                 st = os.fstat(self._file.fileno())
@@ -228,6 +246,8 @@ class LocalWriter(Writer):
         if self._state != "open":
             return
         self._state = "aborted"
+        if self._direct is not None:
+            self._direct.close(write_pending=False)
         with contextlib.suppress(OSError):
             self._file.close()
         with contextlib.suppress(FileNotFoundError):
@@ -240,36 +260,58 @@ class LocalPatch:
     was discarded, fails instead of leaving a file behind.
 
     ``path`` is the file when it is not the one ``uri`` names (a writer's temp file beside its
-    target); errors name ``uri`` either way."""
+    target); errors name ``uri`` either way. With ``direct``, bulk data goes around the page cache
+    and lands behind the caller (:mod:`ckptconv.storage.direct_io`): :meth:`flush` and
+    :meth:`close` wait for it and raise its failure."""
 
-    def __init__(self, uri: str, path: str | None = None) -> None:
+    def __init__(self, uri: str, path: str | None = None, *, direct: bool = False) -> None:
         self.uri = uri
+        target = local_path_of(uri) if path is None else path
         with _os_errors(uri, reading=False):
-            self._fd = os.open(local_path_of(uri) if path is None else path, os.O_WRONLY)
+            self._fd = os.open(target, os.O_WRONLY)
+        self._direct = DirectWrites(target, self._fd) if direct else None
+
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes written around the page cache so far."""
+        return self._direct.direct_bytes if self._direct is not None else 0
 
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         with _os_errors(self.uri, reading=False):
-            pwrite_all(self._fd, memoryview(data), offset)
+            if self._direct is not None:
+                self._direct.write_at(offset, memoryview(data))
+            else:
+                pwrite_all(self._fd, memoryview(data), offset)
+
+    def flush(self) -> None:
+        """Every byte written so far is in the file (typed errors for the writes that failed)."""
+        if self._direct is not None:
+            with _os_errors(self.uri, reading=False):
+                self._direct.flush()
 
     def close(self, *, sync: bool = True) -> None:
+        """Flush, fsync when ``sync``, close."""
+        if self._fd < 0:
+            return
+        try:
+            self.flush()
+            if sync:
+                with _os_errors(self.uri, reading=False):
+                    os.fsync(self._fd)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close without waiting for what is not written yet, and without raising (the output is
+        being discarded)."""
         if self._fd < 0:
             return
         fd, self._fd = self._fd, -1
         try:
-            if sync:
-                with _os_errors(self.uri, reading=False):
-                    os.fsync(fd)
+            if self._direct is not None:
+                self._direct.close(write_pending=False)
         finally:
             os.close(fd)
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """``os.pwrite`` until every byte of ``data`` is at ``offset`` onwards."""
-    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
 
 
 _NO_SPACE_HINT = "free disk space on that filesystem, or choose a target (or staging directory) on another one"

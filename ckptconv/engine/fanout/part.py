@@ -213,7 +213,7 @@ def run_part(
             # another attempt took the part over.
             for w in writers.values():
                 if isinstance(w, LocalPatch):
-                    w.close(sync=False)
+                    w.abandon()
                 else:
                     w.stop()
             raise
@@ -252,7 +252,7 @@ def _write_piece(writer: Any, blocks: WrittenBlocks | None, offset: int, piece: 
 def _writer(storage: Storage, f: FileLayout, doc: dict[str, Any], held: str) -> Any:
     described = next(d for d in doc["files"] if d["uri"] == f.uri)
     if described["upload_id"] is None:
-        return LocalPatch(f.uri)
+        return LocalPatch(f.uri, direct=True)
     upload = PartUpload(
         storage.backend(f.uri),
         f.uri,

@@ -1,0 +1,218 @@
+"""Writes around the page cache (ckptconv.storage.direct_io): the same bytes as plain positioned
+writes whatever the offsets, sizes and order; failures raised by the next call, typed through
+LocalPatch; a filesystem that refuses direct writes gets plain ones; dropped writes stay dropped."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptconv.core.errors import StorageError
+from ckptconv.storage import direct_io
+from ckptconv.storage.direct_io import ALIGN, BATCH_BYTES, BATCHES, DirectWrites
+from ckptconv.storage.local import LocalPatch
+
+
+def _writes(seed: int, size: int) -> list[tuple[int, bytes]]:
+    """Writes tiling [0, size): tiny, block-aligned and unaligned ones, one longer than every
+    staging buffer together, in runs of adjacent pieces (a value written in pieces) whose order
+    jumps back and forth."""
+    rng = random.Random(seed)
+    long = (BATCHES + 1) * BATCH_BYTES + 7
+    start = rng.randrange(size - long)
+    cuts = {0, size, start, start + long, *(rng.randrange(size) for _ in range(60))}
+    cuts |= {ALIGN * rng.randrange(size // ALIGN) for _ in range(20)}
+    bounds = sorted(c for c in cuts if not start < c < start + long)
+    pieces = [(a, rng.randbytes(b - a)) for a, b in itertools.pairwise(bounds)]
+    runs = [pieces[i : i + 5] for i in range(0, len(pieces), 5)]
+    rng.shuffle(runs)
+    return [p for run in runs for p in run]
+
+
+def _expected(writes: list[tuple[int, bytes]], size: int) -> bytes:
+    out = bytearray(size)
+    for at, data in writes:
+        out[at : at + len(data)] = data
+    return bytes(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_file_holds_every_write_whatever_the_offsets_and_order(tmp_path: Path, seed: int) -> None:
+    size = 6 * BATCH_BYTES + 12345
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"")
+    os.truncate(path, size)
+    writes = _writes(seed, size)
+    fd = os.open(path, os.O_WRONLY)
+    w = DirectWrites(str(path), fd)
+    direct = w.direct
+    try:
+        for at, data in writes:
+            w.write_at(at, memoryview(data))
+        w.close()
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == _expected(writes, size)
+    if direct:  # where the filesystem takes direct writes (ext4, XFS, recent tmpfs), they were used
+        assert w.direct_bytes > size // 2
+
+
+def test_switched_off_every_byte_goes_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTCONV_DIRECT_IO", "0")
+    path = tmp_path / "out.bin"
+    path.write_bytes(bytes(3 * BATCH_BYTES))
+    data = np.random.default_rng(3).bytes(2 * BATCH_BYTES + 5)
+    patch = LocalPatch(str(path), direct=True)
+    patch.write_at(ALIGN + 1, data)
+    patch.close()
+    assert patch.direct_bytes == 0
+    assert path.read_bytes()[ALIGN + 1 : ALIGN + 1 + len(data)] == data
+
+
+def test_a_filesystem_that_refuses_a_direct_write_gets_plain_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some filesystems take the O_DIRECT open and answer EINVAL to the write: that write and every
+    later one go through the page cache, nothing lost."""
+    path = tmp_path / "out.bin"
+    path.write_bytes(bytes(3 * BATCH_BYTES))
+    fd = os.open(path, os.O_WRONLY)
+    w = DirectWrites(str(path), fd)
+    if not w.direct:
+        pytest.skip("this filesystem refuses O_DIRECT at the open already")
+    refused = w._back.dfd
+    pwrite = os.pwrite
+
+    def einval_for_direct(f: int, data: memoryview, offset: int) -> int:
+        if f == refused:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwrite(f, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", einval_for_direct)
+    data = np.random.default_rng(4).bytes(BATCH_BYTES + 3 * ALIGN)
+    try:
+        w.write_at(5, memoryview(data))
+        w.write_at(5 + len(data), memoryview(data))
+        w.close()
+    finally:
+        os.close(fd)
+    assert w.direct_bytes == 0 and not w.direct
+    assert path.read_bytes()[5 : 5 + 2 * len(data)] == data + data
+
+
+def test_a_failed_write_is_raised_typed_by_the_next_call_and_nothing_after_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that failed behind the caller (a full disk where nothing was reserved) surfaces as
+    the storage error that names the file and says what to do, at the next write or the flush."""
+    path = tmp_path / "out.bin"
+    path.write_bytes(bytes(4 * BATCH_BYTES))
+    patch = LocalPatch(str(path), direct=True)
+    pwrite, calls = os.pwrite, []
+
+    def full_after_one(f: int, data: memoryview, offset: int) -> int:
+        calls.append(offset)
+        if offset >= BATCH_BYTES:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(f, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", full_after_one)
+    ones = b"\1" * BATCH_BYTES
+    with pytest.raises(StorageError) as raised:
+        for i in range(4):
+            patch.write_at(i * BATCH_BYTES, ones)
+        patch.flush()
+    assert raised.value.details.get("errno") == errno.ENOSPC and "free disk space" in (raised.value.hint or "")
+    assert str(path) in raised.value.message
+    with pytest.raises(StorageError):
+        patch.close()  # the failure stays; the descriptors are let go all the same
+    monkeypatch.undo()
+    content = path.read_bytes()
+    assert content[:BATCH_BYTES] == ones and content[2 * BATCH_BYTES :] == bytes(2 * BATCH_BYTES)
+
+
+def test_abandoned_writes_are_dropped_without_a_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "out.bin"
+    path.write_bytes(bytes(2 * BATCH_BYTES))
+    patch = LocalPatch(str(path), direct=True)
+    patch.write_at(0, b"\1" * 1000)  # still in its staging buffer
+    patch.abandon()
+    patch.abandon()  # twice is fine
+    assert path.read_bytes() == bytes(2 * BATCH_BYTES)
+
+
+@pytest.mark.parametrize("to", ["cs-h5", "safetensors", "torch", "tf"])
+def test_an_output_is_the_same_file_with_direct_writes_or_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    from safetensors.numpy import save_file
+
+    from ckptconv.engine.convert import convert
+
+    rng = np.random.default_rng(5)
+    source = tmp_path / "in.safetensors"
+    sizes = [3, 1 << 20, 1234567, 5, 1 << 21]
+    save_file({f"w{i}": rng.standard_normal(n, dtype=np.float32) for i, n in enumerate(sizes)}, str(source))
+    trees = []
+    for setting in ("0", "1"):
+        monkeypatch.setenv("CKPTCONV_DIRECT_IO", setting)
+        target = tmp_path / setting / ("model.mdl" if to == "cs-h5" else "model")
+        convert(str(source), str(target), to=to)
+        files = sorted(p for p in target.parent.rglob("*") if p.is_file() and "manifest" not in p.name)
+        trees.append({str(p.relative_to(target.parent)): p.read_bytes() for p in files})
+    assert trees[0] == trees[1] and trees[0]
+
+
+def test_a_write_after_close_is_refused_and_lands_nowhere(tmp_path: Path) -> None:
+    """The closed descriptor's number may already name another file: the write fails (EBADF), as a
+    plain write to a closed descriptor does, instead of landing there."""
+    mine, other = tmp_path / "mine.bin", tmp_path / "other.bin"
+    mine.write_bytes(bytes(16))
+    other.write_bytes(bytes(16))
+    patch = LocalPatch(str(mine), direct=True)
+    patch.close()
+    reused = os.open(other, os.O_WRONLY)
+    try:
+        with pytest.raises(StorageError) as raised:
+            patch.write_at(0, b"LATE")
+        assert raised.value.details.get("errno") == errno.EBADF
+    finally:
+        os.close(reused)
+    assert other.read_bytes() == bytes(16) and mine.read_bytes() == bytes(16)
+
+
+def test_a_writer_dropped_without_commit_lets_go_of_its_thread_and_descriptors(tmp_path: Path) -> None:
+    import gc
+    import threading
+
+    from ckptconv.storage.local import LocalStorage
+
+    def writer_threads() -> int:
+        return sum(t.name == "ckptconv-direct-writes" for t in threading.enumerate())
+
+    def open_files() -> list[str]:
+        found = []
+        for n in os.listdir("/proc/self/fd"):
+            try:
+                found.append(os.readlink(f"/proc/self/fd/{n}"))
+            except FileNotFoundError:  # the listing's own descriptor, gone since
+                pass
+        return found
+
+    before = writer_threads()
+    w = LocalStorage().open_writer(str(tmp_path / "dropped.bin"))
+    w.preallocate(6 << 20)
+    for _ in range(6):
+        w.write(b"\2" * (1 << 20))
+    tmp = w._tmp  # type: ignore[attr-defined]
+    assert writer_threads() == before + 1
+    del w
+    gc.collect()
+    assert writer_threads() == before
+    assert not any(tmp in path for path in open_files())
