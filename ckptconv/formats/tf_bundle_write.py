@@ -155,6 +155,10 @@ class TfSink(TensorSink):
         # is open at a time; with shard_by the files interleave, so each stays open until commit.
         self._open: dict[int, _ShardState] = {}
         self._done: list[_ShardState] = []
+        # Data files whose size is known before their first byte, announced to their writer (a
+        # local one then writes around the page cache): one open at a time only, as each holds
+        # its staging buffers while open.
+        self._exact_sizes: dict[int, int] = {}
         self._finished = False
         self._hasher: ThreadPoolExecutor | None = None  # hashes a local data file's writes beside them
         self.skeleton = bool(options.get("skeleton"))
@@ -207,6 +211,9 @@ class TfSink(TensorSink):
         for shard, group in enumerate(groups):
             for item in group:
                 item.shard = shard
+            if self.options.get("shard_by") is None and all(i.entry.kind in ("tensor", "array") for i in group):
+                # Tensors only: the data file's size is known to the byte before it is written.
+                self._exact_sizes[shard] = sum(i.estimate for i in group)
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -278,6 +285,14 @@ class TfSink(TensorSink):
             return shard
         staged = self._staged(final)
         writer = self.storage.open_writer(staged, overwrite=True)
+        preallocate = getattr(writer, "preallocate", None)
+        if preallocate is not None and self._exact_sizes.get(index):
+            # A local file of known size: one extent, and its bytes go around the page cache.
+            try:
+                preallocate(self._exact_sizes[index])
+            except BaseException:
+                writer.abort()
+                raise
         shard = _ShardState(index, staged, final, writer)
         if self.storage.local_path(staged) is not None:
             # Hashed as written, in pieces read from the caches by both the write and the hash:
