@@ -3,9 +3,9 @@
 Why: a value written through the page cache costs the kernel a fresh page for every 4 KiB, a copy
 into it, then the writeback that the final ``fsync`` waits for; on a machine whose memory is lent
 back and forth with a hypervisor, fresh pages cost several times the copy. Measured on a 3 GB
-conversion from S3 to a local cs-h5 file: 4.7-5.6 s of system time through the page cache, 1.6-1.8 s
-with the values written directly, the final ``fsync`` 0.75 -> 0.11 s, and the S3 server beside
-it got back the CPU it had lost to the kernel.
+conversion from S3 to a local cs-h5 file, page cache dropped: 8.1-8.9 s instead of 11.5-12.1 s,
+system time 1.4 s instead of 5.1-5.3 s, the final ``fsync`` 0.02 s instead of 0.8 s, and the S3
+server beside it got back the CPU it had lost to the kernel (7.1 s instead of 8.9-9.4 s).
 
 How (:class:`DirectWrites`): written bytes are copied into page-aligned staging buffers
 (``BATCHES`` of ``BATCH_BYTES``), adjacent writes gathered into one buffer, each byte at the
