@@ -216,3 +216,34 @@ def test_a_writer_dropped_without_commit_lets_go_of_its_thread_and_descriptors(t
     gc.collect()
     assert writer_threads() == before
     assert not any(tmp in path for path in open_files())
+
+
+@pytest.mark.parametrize("to", ["cs-h5", "safetensors", "torch", "tf"])
+def test_every_local_output_format_writes_its_values_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    """Announced by its size (cs-h5, safetensors, a TF data file of tensors) or as bulk data by the
+    output set (a torch archive, whose size is not known before its first byte)."""
+    from safetensors.numpy import save_file
+
+    from ckptconv.engine.convert import convert
+
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    written: list[int] = []
+    stop = direct_io._Writer.stop
+
+    def counting(self: direct_io._Writer, *, drop: bool) -> None:
+        written.append(self.direct_bytes)
+        stop(self, drop=drop)
+
+    monkeypatch.setattr(direct_io._Writer, "stop", counting)
+    rng = np.random.default_rng(7)
+    source = tmp_path / "in.safetensors"
+    save_file({f"w{i}": rng.standard_normal(1 << 21, dtype=np.float32) for i in range(3)}, str(source))
+    convert(str(source), str(tmp_path / "out" / ("model.mdl" if to == "cs-h5" else "model")), to=to)
+    assert sum(written) >= 2 * (1 << 23)  # most of the 24 MiB of values

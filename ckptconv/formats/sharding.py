@@ -425,7 +425,7 @@ class OutputSet:
     def create(self, uri: str, role: str = "data", size: int | None = None) -> HashingWriter:
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest")
-        writer = open_output_writer(self.storage, uri, size, concurrency=self.concurrency)
+        writer = open_output_writer(self.storage, uri, size, concurrency=self.concurrency, bulk=role == "data")
         # Pieces for a local file only: an upload cuts its parts from whatever it is given.
         piece = WRITE_PIECE_BYTES if self.storage.local_path(uri) is not None else None
         w = HashingWriter(writer, role, self._hasher, piece)

@@ -157,9 +157,9 @@ def _copy_then_place(src: str, dst: str, *, overwrite: bool, uri: str) -> None:
 class LocalWriter(Writer):
     """Streams into a temp file next to the target; see the module docstring for how commit places it.
 
-    Once :meth:`preallocate` announced a file of known size (an output's bulk data), its bytes go
-    around the page cache and land behind the caller (:mod:`ckptconv.storage.direct_io`);
-    :meth:`commit` waits for them."""
+    Once the file is announced as bulk data (:meth:`preallocate` with its size, or
+    :meth:`stream_direct`), its bytes go around the page cache and land behind the caller
+    (:mod:`ckptconv.storage.direct_io`); :meth:`commit` waits for them."""
 
     def __init__(self, uri: str, path: str, *, overwrite: bool) -> None:
         self.uri = uri
@@ -205,8 +205,17 @@ class LocalWriter(Writer):
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
                 os.ftruncate(self._file.fileno(), size)
-            if self._direct is None and self._file.tell() == self._written:
-                self._direct = DirectWrites(self._tmp, self._file.fileno())
+        self.stream_direct()
+
+    def stream_direct(self) -> None:
+        """The rest of this file is bulk data (an output's tensors): around the page cache. A
+        writer holds up to 12 MiB of staging buffers from then on until it is committed, so only
+        a writer that is the one being filled should be told."""
+        if self._direct is not None:
+            return
+        with _os_errors(self.uri, reading=False):
+            self._file.flush()
+        self._direct = DirectWrites(self._tmp, self._file.fileno())
 
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Place ``data`` at ``offset`` of the temp file (a positioned write; the stream position stays)."""

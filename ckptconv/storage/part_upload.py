@@ -389,10 +389,11 @@ class PartWriter(Writer):
 
 
 def open_output_writer(
-    storage: Storage, uri: str, size: int | None = None, *, concurrency: int = DEFAULT_CONCURRENCY
+    storage: Storage, uri: str, size: int | None = None, *, concurrency: int = DEFAULT_CONCURRENCY, bulk: bool = True
 ) -> Writer:
     """The writer for one output file: concurrent part uploads on S3 (``concurrency`` parts in
-    flight), the storage's own elsewhere (a local file of a known ``size`` is preallocated first)."""
+    flight), the storage's own elsewhere: a local file of a known ``size`` is preallocated first,
+    and a ``bulk`` one (tensors, not an index) is written around the page cache."""
     if storage.scheme == "s3":
         # The backend drives the multipart calls of this one object (a confined storage checks uri first).
         backend = storage.backend(uri)
@@ -407,12 +408,15 @@ def open_output_writer(
         return PartWriter(upload)
     writer = storage.open_writer(uri)
     preallocate = getattr(writer, "preallocate", None)
-    if size and preallocate is not None:
-        try:
+    direct = getattr(writer, "stream_direct", None)
+    try:
+        if size and preallocate is not None:
             preallocate(size)
-        except BaseException:
-            writer.abort()
-            raise
+        elif bulk and direct is not None:
+            direct()
+    except BaseException:
+        writer.abort()
+        raise
     return writer
 
 
