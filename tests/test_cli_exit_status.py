@@ -3,6 +3,8 @@ error, 70 an unexpected exception (a bug), never Python's default 1 with a trace
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -61,3 +63,27 @@ def test_an_unreachable_redis_is_a_typed_error_of_the_key_commands(capsys, monke
     assert main(command) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "error [service_unavailable]" in err and "redis://127.0.0.1:1/0" in err
+
+
+@pytest.mark.parametrize(
+    "command", [["keys", "list"], ["keys", "create", "--name", "ops", "--prefix", "s3://b/"], ["keys", "revoke", "k1"]]
+)
+def test_a_redis_that_fails_the_key_command_itself_is_a_typed_error(capsys, monkeypatch, redis_url, command):
+    """Redis answers the first PING, then refuses the command (here: a user allowed nothing but
+    PING; the same path as a Redis that went away in between): still service_unavailable."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+    user, password = f"ckptconv-ping-only-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], commands=["+ping"], keys=["*"])
+    try:
+        host_and_db = redis_url.split("://", 1)[1]
+        monkeypatch.setenv("CKPTCONV_REDIS_URL", f"redis://{user}:{password}@{host_and_db}")
+        monkeypatch.setenv("CKPTCONV_ENVIRONMENT", "development")
+        assert main(command) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert "error [service_unavailable]" in err and "Traceback" not in err
+        assert password not in err  # the URL is named without its secret
+    finally:
+        admin.acl_deluser(user)
+        admin.close()

@@ -8,9 +8,11 @@ Client commands talk HTTP to ``--url`` (default ``$CKPTCONV_URL``, else http://1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from ckptconv.cli.output import human_size, output_digest
@@ -395,8 +397,22 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 # --- API keys ----------------------------------------------------------------------------------
 
 
-def _redis_and_keys() -> tuple[Any, Any]:
-    """A Redis client and the key names, once Redis has answered: an unreachable Redis is a typed
+def _without_password(url: str) -> str:
+    """``url`` fit for an error message: a password in it (``redis://user:secret@host``) is not."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@contextlib.contextmanager
+def _key_store() -> Iterator[tuple[Any, Any]]:
+    """A Redis client and the key names for the block, once Redis has answered. A Redis that does
+    not answer, or fails a command of the block (it went away, or refuses this client), is a typed
     503-style error naming the URL, not a crash in the middle of a key command."""
     import redis
 
@@ -406,12 +422,12 @@ def _redis_and_keys() -> tuple[Any, Any]:
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
     try:
         client.ping()
+        yield client, RedisKeys(settings.redis_prefix, settings.broker_prefix)
     except redis.RedisError as e:
         raise ServiceUnavailable(
-            f"Redis at {settings.redis_url} does not answer: {e}",
-            hint="start Redis or set CKPTCONV_REDIS_URL to one that runs; API keys live there",
+            f"Redis at {_without_password(settings.redis_url)} does not answer: {e}",
+            hint="start Redis or set CKPTCONV_REDIS_URL to one that runs and lets this client in; API keys live there",
         ) from e
-    return client, RedisKeys(settings.redis_prefix, settings.broker_prefix)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -433,8 +449,8 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         with open(args.file, "w") as f:
             yaml.safe_dump(doc, f, sort_keys=False)
     else:
-        client, keys = _redis_and_keys()
-        key, _ = create_key(client, keys, args.name, prefixes)
+        with _key_store() as (client, keys):
+            key, _ = create_key(client, keys, args.name, prefixes)
     print(key)
     print("store this key now: only its hash is kept", file=sys.stderr)
     return 0
@@ -443,8 +459,9 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from ckptconv.core.auth import list_keys
 
-    client, keys = _redis_and_keys()
-    for rec in list_keys(client, keys):
+    with _key_store() as (client, keys):
+        records = list_keys(client, keys)
+    for rec in records:
         print(f"{rec.get('id')}  {rec.get('name')}  created {rec.get('created_at')}  {', '.join(rec['prefixes'])}")
     return 0
 
@@ -452,8 +469,9 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from ckptconv.core.auth import revoke_key
 
-    client, keys = _redis_and_keys()
-    if not revoke_key(client, keys, args.ident):
+    with _key_store() as (client, keys):
+        revoked = revoke_key(client, keys, args.ident)
+    if not revoked:
         raise NotFound(f"no API key {args.ident}")
     print(f"revoked {args.ident} (API processes forget it within their cache time)")
     return 0
