@@ -66,7 +66,7 @@ def region_of(ds: h5py.Dataset) -> Region | None:
 class LocalPlacement:
     """Positioned writes into the skeleton, which is the output file; each reported to
     ``written`` (the file's block digest) when given. The values go around the page cache and
-    land behind the caller (:mod:`ckptconv.storage.direct_io`): :meth:`flush` waits for them. A
+    land behind the caller (:mod:`ckptconv.storage.direct_io`): :meth:`finish` waits for them. A
     failed write (a full disk where no reservation stands) is a typed storage error naming ``uri``,
     raised by the next call."""
 
@@ -84,16 +84,13 @@ class LocalPlacement:
             if self._written is not None:
                 self._written.wrote(region.offset + at, piece)
 
-    def flush(self) -> None:
-        """Every value placed so far is in the file: before HDF5 writes its last metadata and
-        the file is measured."""
-        self._file.flush()
-
-    def finish(self, path: str, size: int) -> None:
-        self._file.close(sync=False)  # the sink fsyncs the file once HDF5 has closed it
+    def finish(self) -> None:
+        """Every value placed is in the file, which is let go: before HDF5 writes its last
+        metadata and the file is measured (the sink fsyncs it once HDF5 has closed it)."""
+        self._file.close(sync=False)
 
     def close(self) -> None:
-        """Let go, dropping what is not written yet (after :meth:`flush`, nothing)."""
+        """Let go, dropping what is not written yet (an output being discarded)."""
         self._file.abandon()
 
 

@@ -329,10 +329,11 @@ class CsH5Sink(CerebrasSink):
             # The values still on their way land before HDF5 adds its last metadata, the reserve
             # is given back and the file is measured.
             try:
-                self._placement.flush()
+                self._placement.finish()
             except BaseException:
                 self.abort()
                 raise
+            self._placement = None
         self._on_h5_thread(self._finish, self._record_texts())
         self._close_file()  # stops the HDF5 thread
         if self._reserved:

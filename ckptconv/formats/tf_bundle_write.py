@@ -65,6 +65,7 @@ from ckptconv.formats.tf_proto import (
 from ckptconv.formats.tf_table import build_table, crc32c_extend, mask_crc
 from ckptconv.formats.tree import DICT, ODICT, TreeSpec
 from ckptconv.storage.digests import hex_digest
+from ckptconv.storage.part_upload import announce
 
 if TYPE_CHECKING:
     from ckptconv.storage.base import Storage, Writer
@@ -284,15 +285,8 @@ class TfSink(TensorSink):
             self._open[index] = shard
             return shard
         staged = self._staged(final)
-        writer = self.storage.open_writer(staged, overwrite=True)
-        preallocate = getattr(writer, "preallocate", None)
-        if preallocate is not None and self._exact_sizes.get(index):
-            # A local file of known size: one extent, and its bytes go around the page cache.
-            try:
-                preallocate(self._exact_sizes[index])
-            except BaseException:
-                writer.abort()
-                raise
+        # A local file of known size: one extent, and its bytes go around the page cache.
+        writer = announce(self.storage.open_writer(staged, overwrite=True), self._exact_sizes.get(index), bulk=False)
         shard = _ShardState(index, staged, final, writer)
         if self.storage.local_path(staged) is not None:
             # Hashed as written, in pieces read from the caches by both the write and the hash:

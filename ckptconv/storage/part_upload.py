@@ -406,7 +406,13 @@ def open_output_writer(
             block_digest=False,
         )
         return PartWriter(upload)
-    writer = storage.open_writer(uri)
+    return announce(storage.open_writer(uri), size, bulk=bulk)
+
+
+def announce(writer: Writer, size: int | None, *, bulk: bool) -> Writer:
+    """``writer``, told what it will hold where it can use it (a local file's): a known ``size``
+    is preallocated, and bulk data (tensors, not an index) goes around the page cache. Aborted
+    when that fails (a full disk)."""
     preallocate = getattr(writer, "preallocate", None)
     direct = getattr(writer, "stream_direct", None)
     try:
@@ -425,6 +431,7 @@ __all__ = [
     "DEFAULT_PART_SIZE",
     "PartUpload",
     "PartWriter",
+    "announce",
     "open_output_writer",
     "upload_buffer_bytes",
 ]
