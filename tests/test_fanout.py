@@ -25,9 +25,11 @@ from safetensors.torch import save_file
 from ckptconv.core.errors import Cancelled, InvalidRequest, StorageError, TargetExists, VerificationFailed
 from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
+from ckptconv.engine.fanout.records import _recorded_parts
 from ckptconv.engine.fanout.split import local_block_size
 from ckptconv.engine.plan import identity_plan
 from ckptconv.engine.run import run_plan
+from ckptconv.engine.staging import _layout
 from ckptconv.formats.base import OutputFile
 from ckptconv.formats.detect import open_source
 from ckptconv.formats.layout import FileLayout, Span
@@ -786,3 +788,16 @@ def test_a_part_reads_its_values_into_the_buffers_of_those_it_wrote(tmp_path: Pa
     assert result.extras["parallelism"] == 2 and result.verify["ok"] is True
     # Each part: the value it writes and the one read ahead; the rest in their buffers.
     assert POOL.fresh_bytes - before <= 2 * 2 * 6 * MiB
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_recorded_parts_are_read_from_one_listing_of_their_names(tmp_path: Path, s3_bucket, where: str) -> None:
+    target = f"s3://{s3_bucket}/listed/model.mdl" if where == "s3" else str(tmp_path / "listed" / "model.mdl")
+    storage = open_storage(target)
+    layout = _layout(storage, target, None, "listed")
+    fanout = storage.join(layout.staging, ".fanout")
+    for name in ["part-00000.json", "part-00002.json", "part-100000.json", "gaps-00003.bin", "held-00004.bin"]:
+        storage.write_bytes(storage.join(fanout, name), b"{}")
+    for name in ["part-00005.json.partial", "part-6.json", "part-00007.jsonx"]:
+        storage.write_bytes(storage.join(fanout, name), b"{}")  # not a record's name
+    assert _recorded_parts(layout) == {0, 2, 100000}

@@ -12,6 +12,7 @@ whichever part of the code sent it.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +157,26 @@ def test_a_conversion_to_s3_checks_each_object_once_per_step(logged: dict[str, A
     # without a HEAD.
     assert len(heads) <= 10, seen
     assert len(seen) <= 23, seen
+
+
+def test_waiting_for_the_parts_of_a_fan_out_lists_their_records(logged: dict[str, Any]) -> None:
+    # The job's worker waits for its parts' records: one request per poll (a listing of the
+    # records), not a request per part per poll, which at hundreds of parts would be over a
+    # thousand requests a second against the target's prefix. Each record is looked for by its
+    # part before it runs and checked by the put that writes it, then read once by the commit.
+    parts = 6
+    g = torch.Generator().manual_seed(6)
+    st = logged["tmp"] / "fanned.safetensors"
+    st.write_bytes(save({f"layers.{i}.w": torch.randn(1024, 1024, generator=g) for i in range(12)}))
+    target = f"s3://{logged['bucket']}/fanned/model.mdl"
+    s3: AccessLoggedS3 = logged["s3"]
+    since = s3.offset()
+    convert(str(st), target, to="cs-h5", parallelism=parts)
+    seen = [(m, k, q) for m, b, k, q in s3.requests(since) if b == logged["bucket"]]
+    records = [(m, k) for m, k, _ in seen if re.search(r"/\.fanout/part-\d+\.json$", k)]
+    heads = [k for m, k in records if m == "HEAD"]
+    assert len(set(heads)) == parts and len(heads) == 2 * parts, records
+    reads = [k for m, k in records if m == "GET"]
+    assert len(reads) == len(set(reads)) == parts, records
+    listings = [q for m, k, q in seen if m == "GET" and "list-type" in q and "part-" in q.get("prefix", [""])[0]]
+    assert 1 <= len(listings) <= parts + 1, listings

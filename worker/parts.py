@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -110,8 +110,12 @@ class RedisPartRunner:
             with contextlib.suppress(RedisError):
                 self.r.eval(_RELEASE, 1, key, self.token)
 
-    def held(self, index: int) -> bool:
-        return bool(self.r.exists(self.lease_prefix + str(index)))
+    def held(self, indexes: Collection[int]) -> set[int]:
+        order = list(indexes)
+        if not order:
+            return set()
+        leases = self.r.mget([self.lease_prefix + str(i) for i in order])
+        return {i for i, lease in zip(order, leases, strict=True) if lease is not None}
 
     def holds(self, index: int) -> bool:
         """Whether this process still holds part ``index``."""

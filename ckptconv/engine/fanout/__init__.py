@@ -28,7 +28,10 @@ flow (all of it inside the job's staging area, under the attempt that runs it, s
    grid's part size) and its upload parts' ETags. A part whose record
    exists is never run again; a record or layout of an earlier version (block hashes in sha256)
    is refused, never merged; a part is deterministic (same ranges, same bytes), so a
-   redelivered or taken-over part rewrites identical bytes.
+   redelivered or taken-over part rewrites identical bytes. The job's worker waits for the
+   records with one listing of their names per poll and one question to Redis for the leases of
+   the parts it might take, whatever the number of parts; it polls five times a second at first,
+   down to once a second while nothing changes.
 3. **commit** (the job's worker, fenced by its attempt): read every part record *from storage*
    (never from a task result), check their count and that their ranges tile every file, merge the
    digests (two parts that computed one value must agree) and compare them with the source's;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from ckptconv.core.bounded import load_json
@@ -37,6 +38,23 @@ def _doc_uri(layout: _Layout) -> str:
 
 def _part_uri(layout: _Layout, index: int) -> str:
     return layout.storage.join(layout.staging, FANOUT_DIR, f"part-{index:05d}.json")
+
+
+_PART_RECORD = re.compile(r"part-(\d{5,})\.json")
+
+
+def _recorded_parts(layout: _Layout) -> set[int]:
+    """The parts whose records are in the staging area, from one listing of their names: a request
+    per thousand records on S3, where asking for each part's record would be a request per part
+    per poll (at 256 parts and five polls a second, over a thousand a second, each counting
+    against the prefix's request rate)."""
+    storage = layout.storage
+    found = set()
+    for info in storage.list(storage.join(layout.staging, FANOUT_DIR, "part-")):
+        match = _PART_RECORD.fullmatch(basename(info.uri))
+        if match:
+            found.add(int(match.group(1)))
+    return found
 
 
 def _gaps_uri(layout: _Layout, index: int) -> str:

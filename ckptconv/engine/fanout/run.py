@@ -24,6 +24,7 @@ from ckptconv.engine.fanout.records import (
     _home,
     _part_uri,
     _read_doc,
+    _recorded_parts,
 )
 from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
 from ckptconv.engine.fanout.split import grid_part_size, local_block_size, split_parts
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FANOUT_FORMATS = ("safetensors", "cs-h5", "torch", "tf", "cs-s3")
 POLL_SECONDS = 0.2
+MAX_POLL_SECONDS = 1.0
 
 
 def _prepare(
@@ -347,7 +349,8 @@ def _recorded(home: _Layout, doc: dict[str, Any] | None) -> dict[int, dict[str, 
     """The part records an adopted fan-out already holds, by part."""
     if doc is None:
         return {}
-    records = {i: _read_doc(home.storage, _part_uri(home, i)) for i in range(len(doc["parts"]))}
+    present = _recorded_parts(home) & set(range(len(doc["parts"])))
+    records = {i: _read_doc(home.storage, _part_uri(home, i)) for i in sorted(present)}
     return {i: r for i, r in records.items() if r is not None}
 
 
@@ -364,43 +367,47 @@ def _await_parts(
 ) -> None:
     """Until every part is recorded: run the parts nobody claimed (the last first: other workers
     take them from the front of the queue), relay progress, stop on a failed part or a cancel."""
-    storage = layout.storage
     dispatched = time.monotonic()
     pending = set(range(count)) - set(reused)
     # Progress counts the parts an earlier attempt completed as done.
     reused_tensors = sum(len(r["digests"]) for r in reused.values())
     reused_bytes = sum(e - s for r in reused.values() for _, s, e, *_ in r["ranges"])
     mine = max(pending, default=-1)  # run at once: this worker is one of the job's workers
+    interval = POLL_SECONDS
     while pending:
         check_cancelled(cancelled)
         problem = runner.failure()
         if problem is not None:
             raise CkptconvError.from_problem(problem)
-        recorded = {i for i in pending if storage.exists(_part_uri(layout, i))}
+        recorded = pending & _recorded_parts(layout)
         pending -= recorded
-        stealable = [
-            i
-            for i in sorted(pending, reverse=True)
-            if (i == mine or time.monotonic() - dispatched >= runner.grace_seconds) and not runner.held(i)
-        ]
-        for i in stealable[:1]:
-            with runner.claim(i) as claimed:
+        late = time.monotonic() - dispatched >= runner.grace_seconds
+        candidates = [i for i in sorted(pending, reverse=True) if late or i == mine]
+        held = runner.held(candidates) if candidates else set()
+        orphan = next((i for i in candidates if i not in held), None)
+        if orphan is not None:
+            with runner.claim(orphan) as claimed:
                 if claimed:
                     run_part(
                         plan,
                         src,
                         target=layout.target,
-                        index=i,
+                        index=orphan,
                         job_id=job_id,
                         staging=layout.staging,
                         cancelled=cancelled,
                         runner=runner,
                     )
-                    pending.discard(i)
+                    pending.discard(orphan)
             mine = -1
         tensors, nbytes = runner.reported()
         reporter.current.tensors_done = min(tensors + reused_tensors, plan.tensors_total)
         reporter.current.bytes_done = nbytes + reused_bytes
         reporter.advance(0, 0)
-        if pending and not stealable:
-            time.sleep(POLL_SECONDS)
+        if recorded:
+            interval = POLL_SECONDS
+        if pending and orphan is None:
+            # Polled less often while nothing changes: a long part need not be asked after five
+            # times a second, and a part just recorded is often followed by others.
+            time.sleep(interval)
+            interval = min(interval * 1.5, MAX_POLL_SECONDS)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Protocol
 
 
@@ -23,8 +23,9 @@ class PartRunner(Protocol):
     def claim(self, index: int) -> contextlib.AbstractContextManager[bool]:
         """Hold part ``index`` while it runs (yields False when another process holds it)."""
 
-    def held(self, index: int) -> bool:
-        """Whether a live process holds part ``index``."""
+    def held(self, indexes: Collection[int]) -> set[int]:
+        """Which of the parts ``indexes`` a live process holds (one question for them all: a worker
+        waiting for hundreds of parts asks it every poll)."""
 
     def report(self, index: int, tensors: int, nbytes: int) -> None:
         """Part ``index`` has written ``tensors`` values and ``nbytes`` bytes so far."""
@@ -60,8 +61,8 @@ class InlineRunner:
     def claim(self, index: int) -> Iterator[bool]:
         yield True
 
-    def held(self, index: int) -> bool:
-        return False
+    def held(self, indexes: Collection[int]) -> set[int]:
+        return set()
 
     def report(self, index: int, tensors: int, nbytes: int) -> None:
         self._progress[index] = (tensors, nbytes)
