@@ -154,6 +154,17 @@ def test_attack_corpus_through_the_api_and_the_worker(service: Service, corpus: 
                 # Nothing partial at the target (the job's record is mirrored beside it, as for every job).
                 left = [p for p in data.glob(name + ".out*") if not p.name.endswith(".ckptconv-job.json")]
                 assert not left, (name, left)
+        # A model conversion whose source cannot be read fails typed; its cleanup, which would
+        # read the source again to name the target, says so in one line.
+        options = {"model": "llama", "src_fmt": "cs-2.9", "tgt_fmt": "hf"}
+        body = {"kind": "convert-model", "source": {"uri": str(data / "h5_truncated.mdl")}, "options": options}
+        r = http.post("/v1/jobs", json=body)
+        assert r.status_code == 202, r.text
+        job = c.wait(r.json()["id"], timeout=300)
+        assert job["state"] == "failed" and job["error"]["code"] == "corrupt_checkpoint", job.get("error")
+    # Every failure above was typed: the worker logged no traceback.
+    for log in (corpus / "svc").glob("worker-*.log"):
+        assert "Traceback" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
 
 
 @pytest.mark.parametrize("name", sorted(CORPUS))

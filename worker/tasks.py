@@ -311,6 +311,12 @@ class JobRun:
                 log.warning("job %s: attempt %d no longer owns the job; not cleaning up", self.job_id, self.attempt)
                 return None
             return module.cleanup(ctx)
+        except CkptconvError as e:
+            # A known cause (the source cannot be read any more, which is often why the job failed):
+            # one line, not a second traceback after the job's own error. Only a lost worker's
+            # staging would be left, and it could not be looked for.
+            log.warning("job %s: no cleanup: [%s] %s", self.job_id, e.code, e.message)
+            return None
         except Exception:
             log.exception("job %s: cleanup failed", self.job_id)
             return None
