@@ -748,3 +748,18 @@ def test_an_unreachable_redis_is_a_503_problem() -> None:
         r = c.post("/v1/jobs", json=job_body())
         assert_problem(r, 503, "service_unavailable")
         assert r.headers["retry-after"]
+
+
+def test_the_model_tables_are_read_before_the_first_request(redis_url: str) -> None:
+    # A convert-model request's options are checked against them on the event loop: read at
+    # startup, the first such request does not hold every other one while they load.
+    from ckptconv.engine.layouts import registry
+
+    registry.model_index.cache_clear()
+    registry._tables.cache_clear()
+    settings = Settings(
+        environment="development", redis_url=redis_url, redis_prefix=f"ckptconv-test-{uuid.uuid4().hex[:10]}:"
+    )
+    with TestClient(create_app(settings), raise_server_exceptions=False):
+        assert registry.model_index.cache_info().currsize == 1
+        assert registry._tables.cache_info().currsize == 1
