@@ -207,8 +207,9 @@ def test_a_writer_dropped_without_commit_lets_go_of_its_thread_and_descriptors(t
 
     before = writer_threads()
     w = LocalStorage().open_writer(str(tmp_path / "dropped.bin"))
-    w.preallocate(6 << 20)
-    for _ in range(6):
+    size = BATCH_BYTES + (2 << 20)  # a full staging buffer: the writer's thread has started
+    w.preallocate(size)
+    for _ in range(size >> 20):
         w.write(b"\2" * (1 << 20))
     tmp = w._tmp  # type: ignore[attr-defined]
     assert writer_threads() == before + 1

@@ -167,7 +167,8 @@ def run_part(
             taken.clear()
 
         try:
-            for fi, start, end in doc["parts"][index]:
+            ranges = doc["parts"][index]
+            for k, (fi, start, end) in enumerate(ranges):
                 f = files[fi]
                 if fi not in gaps:
                     gaps[fi] = storage.read_all(_gaps_uri(layout, fi))
@@ -197,6 +198,10 @@ def run_part(
                     if runner is not None:
                         runner.report(index, tensors, written)
                 recorded.append([fi, start, end])
+                if isinstance(writers[fi], LocalPatch) and all(r[0] != fi for r in ranges[k + 1 :]):
+                    # Done with this file: its staging buffers go now, not when the part ends (a
+                    # part across many files would otherwise hold them all).
+                    writers[fi].close(sync=True)
             current = None
             uploaded, blocks = {}, {}
             for fi, w in writers.items():
