@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
+from conftest import PrivateRedis
 
 from ckptconv.core.jobstore import JobStore, RedisKeys
 from ckptconv.core.settings import Settings, get_settings
@@ -15,9 +17,18 @@ def _calls(client: redis.Redis, command: str) -> int:
     return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-def test_one_question_tells_which_of_many_parts_are_held(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_question_tells_which_of_many_parts_are_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A job's worker waiting for hundreds of parts asks every poll which of them a live process
-    # holds: one command for them all, not one per part.
+    # holds: one command for them all, not one per part. Counted on a Redis of the test's own,
+    # which no other client talks to.
+    server = PrivateRedis(tmp_path, aof=False)
+    try:
+        _held_in_one_command(server.url, monkeypatch)
+    finally:
+        server.stop()
+
+
+def _held_in_one_command(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTCONV_ENVIRONMENT", "development")  # importing the worker builds the Celery app
     get_settings.cache_clear()
     from worker.parts import RedisPartRunner

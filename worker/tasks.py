@@ -312,9 +312,9 @@ class JobRun:
                 return None
             return module.cleanup(ctx)
         except CkptconvError as e:
-            # A known cause (the source cannot be read any more, which is often why the job failed):
-            # one line, not a second traceback after the job's own error. Only a lost worker's
-            # staging would be left, and it could not be looked for.
+            # A known cause (the source cannot be read any more, which is often why the job failed;
+            # the store refusing a removal): one line, not a second traceback after the job's own
+            # error. What a lost worker staged may be left behind.
             log.warning("job %s: no cleanup: [%s] %s", self.job_id, e.code, e.message)
             return None
         except Exception:
