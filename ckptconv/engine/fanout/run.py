@@ -383,7 +383,7 @@ def _await_parts(
         pending -= recorded
         late = time.monotonic() - dispatched >= runner.grace_seconds
         candidates = [i for i in sorted(pending, reverse=True) if late or i == mine]
-        held = runner.held(candidates) if candidates else set()
+        held = runner.held(candidates)
         orphan = next((i for i in candidates if i not in held), None)
         if orphan is not None:
             with runner.claim(orphan) as claimed:
