@@ -178,7 +178,10 @@ def rope_permute(x: Any, head_dim: int, rotary_dim: int, *, to_cs: bool) -> Any:
         out = empty_raw(x.shape, x.dtype)
         if out.nbytes:
             order = _rope_rows(rows, d, r, to_cs=to_cs)
-            np.take(x.data.reshape(rows, -1), order, axis=0, out=out.data.reshape(rows, -1))
+            # mode="clip": the row numbers are a permutation, so nothing is clipped; the default
+            # mode ("raise") takes into a temporary array of the output's size and copies that into
+            # ``out``: fresh pages and a second copy, 0.2-0.6 GB/s instead of 6 GB/s here.
+            np.take(x.data.reshape(rows, -1), order, axis=0, out=out.data.reshape(rows, -1), mode="clip")
         return out
     import torch
 
