@@ -8,6 +8,7 @@ import errno
 import itertools
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from ckptconv.core.errors import StorageError
 from ckptconv.storage import direct_io
-from ckptconv.storage.direct_io import ALIGN, BATCH_BYTES, BATCHES, DirectWrites
+from ckptconv.storage.direct_io import ALIGN, BATCH_BYTES, BATCHES, WRITERS, DirectWrites
 from ckptconv.storage.local import LocalPatch
 
 
@@ -137,6 +138,41 @@ def test_a_failed_write_is_raised_typed_by_the_next_call_and_nothing_after_it_is
     assert content[:BATCH_BYTES] == ones and content[2 * BATCH_BYTES :] == bytes(2 * BATCH_BYTES)
 
 
+def test_a_rewrite_waits_for_the_write_in_flight_it_overlaps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers in flight together land in any order; one holding bytes that an earlier buffer
+    still being written also holds waits for it, so the later bytes win as in order."""
+    path = tmp_path / "out.bin"
+    path.write_bytes(bytes(2 * BATCH_BYTES))
+    pwrite = os.pwrite
+
+    def slow_first_value(f: int, data: memoryview, offset: int) -> int:
+        if bytes(data[:1]) == b"\1":
+            time.sleep(0.5)  # the other writer is free meanwhile
+        return pwrite(f, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", slow_first_value)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        w = DirectWrites(str(path), fd)
+        w.write_at(0, memoryview(b"\1" * BATCH_BYTES))
+        w.write_at(ALIGN, memoryview(b"\2" * ALIGN))  # not adjacent: the first buffer goes out now
+        w.close()
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    content = path.read_bytes()
+    assert content[ALIGN : 2 * ALIGN] == b"\2" * ALIGN
+    assert content[:ALIGN] == b"\1" * ALIGN and content[2 * ALIGN : BATCH_BYTES] == b"\1" * (BATCH_BYTES - 2 * ALIGN)
+
+
+@pytest.mark.parametrize("n", [0, 1, direct_io.GIL_FREE_COPY_BYTES - 1, direct_io.GIL_FREE_COPY_BYTES, 3 << 20])
+def test_copy_bytes_copies_from_read_only_bytes_into_a_slice(n: int) -> None:
+    src = np.random.default_rng(n).bytes(n)
+    dst = bytearray(n + 8)
+    direct_io.copy_bytes(memoryview(dst)[5 : 5 + n], memoryview(src))
+    assert dst[:5] == bytes(5) and dst[5 : 5 + n] == src and dst[5 + n :] == bytes(3)
+
+
 def test_abandoned_writes_are_dropped_without_a_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "out.bin"
     path.write_bytes(bytes(2 * BATCH_BYTES))
@@ -207,12 +243,12 @@ def test_a_writer_dropped_without_commit_lets_go_of_its_thread_and_descriptors(t
 
     before = writer_threads()
     w = LocalStorage().open_writer(str(tmp_path / "dropped.bin"))
-    size = BATCH_BYTES + (2 << 20)  # a full staging buffer: the writer's thread has started
+    size = BATCH_BYTES + (2 << 20)  # a full staging buffer: the writers' threads have started
     w.preallocate(size)
     for _ in range(size >> 20):
         w.write(b"\2" * (1 << 20))
     tmp = w._tmp  # type: ignore[attr-defined]
-    assert writer_threads() == before + 1
+    assert writer_threads() == before + WRITERS
     del w
     gc.collect()
     assert writer_threads() == before

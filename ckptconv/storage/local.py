@@ -209,7 +209,7 @@ class LocalWriter(Writer):
 
     def stream_direct(self) -> None:
         """The rest of this file is bulk data (an output's tensors): around the page cache. A
-        writer holds up to 32 MiB of staging buffers from then on until it is committed, so only
+        writer holds up to 48 MiB of staging buffers from then on until it is committed, so only
         a writer that is the one being filled should be told."""
         if self._direct is not None:
             return
