@@ -173,6 +173,13 @@ def test_copy_bytes_copies_from_read_only_bytes_into_a_slice(n: int) -> None:
     assert dst[:5] == bytes(5) and dst[5 : 5 + n] == src and dst[5 + n :] == bytes(3)
 
 
+def test_copy_bytes_copies_a_strided_view_as_a_slice_assignment_does() -> None:
+    src = np.frombuffer(np.random.default_rng(9).bytes(4 * direct_io.GIL_FREE_COPY_BYTES), np.uint8)[::2]
+    dst = bytearray(len(src))
+    direct_io.copy_bytes(memoryview(dst), memoryview(src))
+    assert dst == src.tobytes()
+
+
 def test_abandoned_writes_are_dropped_without_a_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "out.bin"
     path.write_bytes(bytes(2 * BATCH_BYTES))
@@ -253,6 +260,59 @@ def test_a_writer_dropped_without_commit_lets_go_of_its_thread_and_descriptors(t
     gc.collect()
     assert writer_threads() == before
     assert not any(tmp in path for path in open_files())
+
+
+def test_a_writer_collected_on_its_own_thread_holding_its_lock_still_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cycle collector may free an abandoned front on one of its writer threads, while that
+    thread holds the writer's lock; the finalizer must not wait there for the other thread, which
+    needs that lock to finish its buffer."""
+    import gc
+    import threading
+
+    def writer_threads() -> int:
+        return sum(t.name == "ckptconv-direct-writes" for t in threading.enumerate())
+
+    monkeypatch.setattr(direct_io, "BATCH_BYTES", 64 << 10)
+    pwrite, write = os.pwrite, direct_io._Writer._write
+    dropped, collected = threading.Event(), threading.Event()
+
+    def slow_second(f: int, data: memoryview, offset: int) -> int:
+        if offset >= 1 << 20:
+            time.sleep(0.3)  # the other writer is still busy when the first collects
+        return pwrite(f, data, offset)
+
+    def collecting(self: direct_io._Writer, batch: direct_io._Batch) -> None:
+        write(self, batch)
+        if batch.start == 1 and not collected.is_set():
+            dropped.wait(5)
+            with self.cond:  # as a collection triggered inside its with-block would
+                gc.collect()
+            collected.set()
+
+    monkeypatch.setattr(direct_io.os, "pwrite", slow_second)
+    monkeypatch.setattr(direct_io._Writer, "_write", collecting)
+    path = tmp_path / "out.bin"
+    path.write_bytes(bytes(4 << 20))
+    before = writer_threads()
+    fd = os.open(path, os.O_WRONLY)
+    gc.disable()
+    try:
+        w = DirectWrites(str(path), fd)
+        for i in range(3):  # none adjacent: two buffers go out, on both threads
+            w.write_at((i << 20) + 1, memoryview(bytes([i + 1]) * 1000))
+        w.cycle = w  # type: ignore[attr-defined]  # only the cyclic collector frees it
+        del w
+        dropped.set()
+        assert collected.wait(5)
+        deadline = time.monotonic() + 5
+        while writer_threads() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert writer_threads() == before
+    finally:
+        gc.enable()
+        os.close(fd)
 
 
 @pytest.mark.parametrize("to", ["cs-h5", "safetensors", "torch", "tf"])

@@ -17,7 +17,7 @@ Two buffers in flight never share a whole block (each block lies in one buffer's
 partial and goes through the page cache), and a buffer that rewrites bytes of one still in flight
 waits for it, so the file ends as if every write had been made in order. The caller goes on
 copying the next bytes while the device takes the previous ones; it waits only when every buffer
-is in flight.
+is in flight, or to rewrite bytes still being written.
 
 Where the filesystem refuses ``O_DIRECT`` (at the open, or ``EINVAL`` at the first write: some
 FUSE, network and older tmpfs mounts), every byte goes through the page cache as before.
@@ -83,7 +83,7 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     assignment's does not). The bytes copied into a staging buffer are hashed at the same time on
     another thread (ckptconv.formats.sharding), which would otherwise wait for the GIL until the
     copy ends, then hash while this thread waits for it: the copy and the hash one after the other."""
-    if len(src) < GIL_FREE_COPY_BYTES:
+    if src.nbytes < GIL_FREE_COPY_BYTES or not (src.c_contiguous and dst.c_contiguous):
         dst[:] = src
         return
     import numpy as np  # here, not above: processes that write no values never load numpy
@@ -245,8 +245,8 @@ class DirectWrites:
         self._back = _Writer(fd, dfd)
         self._current: _Batch | None = None
         self._closed = False
-        # Dropped without close (an abandoned writer): the thread ends, what it holds goes back.
-        self._finalizer = weakref.finalize(self, self._back.stop, drop=True)
+        # Dropped without close (an abandoned writer): the threads end, what they hold goes back.
+        self._finalizer = weakref.finalize(self, _stop_dropped, self._back)
 
     @property
     def direct(self) -> bool:
@@ -289,7 +289,7 @@ class DirectWrites:
 
     def close(self, *, write_pending: bool = True) -> None:
         """Flush (unless ``write_pending`` is false: what is not written yet is dropped and no
-        failure is raised) and let go of the buffers, the thread and the direct descriptor."""
+        failure is raised) and let go of the buffers, the threads and the direct descriptor."""
         if self._closed:
             return
         try:
@@ -307,6 +307,18 @@ class DirectWrites:
         failure = self._back.failure
         if failure is not None and not isinstance(failure, _Dropped):
             raise failure
+
+
+def _stop_dropped(back: _Writer) -> None:
+    """Stop the writer of a front collected without ``close``. The collection may run on one of the
+    writer's own threads, even while it holds the writer's lock; joining the other thread from
+    there could wait forever for that lock, so that stop goes to a thread of its own."""
+    if threading.current_thread() in back.threads:
+        threading.Thread(
+            target=back.stop, kwargs={"drop": True}, name="ckptconv-direct-writes-stop", daemon=True
+        ).start()
+    else:
+        back.stop(drop=True)
 
 
 class _Dropped(Exception):
