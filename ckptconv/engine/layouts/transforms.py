@@ -180,7 +180,8 @@ def rope_permute(x: Any, head_dim: int, rotary_dim: int, *, to_cs: bool) -> Any:
             order = _rope_rows(rows, d, r, to_cs=to_cs)
             # mode="clip": the row numbers are a permutation, so nothing is clipped; the default
             # mode ("raise") takes into a temporary array of the output's size and copies that into
-            # ``out``: fresh pages and a second copy, 0.2-0.6 GB/s instead of 6 GB/s here.
+            # ``out``: fresh pages and a second copy (0.2 GB/s inside a 3 GB conversion here, 1-3 GB/s
+            # alone and warm, against 6.5 GB/s with "clip").
             np.take(x.data.reshape(rows, -1), order, axis=0, out=out.data.reshape(rows, -1), mode="clip")
         return out
     import torch
