@@ -5,9 +5,11 @@ LocalPatch; a filesystem that refuses direct writes gets plain ones; dropped wri
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -230,14 +232,12 @@ def test_a_write_after_close_is_refused_and_lands_nowhere(tmp_path: Path) -> Non
     assert other.read_bytes() == bytes(16) and mine.read_bytes() == bytes(16)
 
 
+def writer_threads() -> int:
+    return sum(t.name == "ckptconv-direct-writes" for t in threading.enumerate())
+
+
 def test_a_writer_dropped_without_commit_lets_go_of_its_thread_and_descriptors(tmp_path: Path) -> None:
-    import gc
-    import threading
-
     from ckptconv.storage.local import LocalStorage
-
-    def writer_threads() -> int:
-        return sum(t.name == "ckptconv-direct-writes" for t in threading.enumerate())
 
     def open_files() -> list[str]:
         found = []
@@ -268,12 +268,6 @@ def test_a_writer_collected_on_its_own_thread_holding_its_lock_still_ends(
     """The cycle collector may free an abandoned front on one of its writer threads, while that
     thread holds the writer's lock; the finalizer must not wait there for the other thread, which
     needs that lock to finish its buffer."""
-    import gc
-    import threading
-
-    def writer_threads() -> int:
-        return sum(t.name == "ckptconv-direct-writes" for t in threading.enumerate())
-
     monkeypatch.setattr(direct_io, "BATCH_BYTES", 64 << 10)
     pwrite, write = os.pwrite, direct_io._Writer._write
     dropped, collected = threading.Event(), threading.Event()

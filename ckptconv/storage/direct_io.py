@@ -187,8 +187,7 @@ class _Writer:
         for _ in threads:
             self.todo.put(None)
         for t in threads:
-            if t is not threading.current_thread():
-                t.join()
+            t.join()  # never the current thread: on a writer thread, _stop_dropped calls this from another
         self.free.clear()
         if self.dfd >= 0:
             os.close(self.dfd)
