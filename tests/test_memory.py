@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptconv.formats.memory import BufferPool, bound_allocator
+from ckptconv.formats.memory import PHASE_ALIGN, BufferPool, bound_allocator
+from ckptconv.storage.direct_reads import DIRECT_READ_BYTES
 
 MB = 1 << 20
 
@@ -74,13 +75,27 @@ def test_a_run_caps_the_idle_buffers_at_its_largest_value_and_empties_the_pool_a
         assert pool.idle_bytes <= 4 * MB  # the uncapped pool kept all 10 MiB
         with pool.capped(2 * MB):  # a second run at once: the smaller cap holds
             assert pool.idle_bytes <= 2 * MB
-        assert pool.held_cap == 4 * MB
+        assert pool.held_cap == 4 * MB + PHASE_ALIGN  # a run's cap has room for one block more
     assert pool.idle_bytes == 0 and pool.held_cap == 64 * MB
 
 
 def _span(a: np.ndarray | torch.Tensor) -> tuple[int, int]:
     start = a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
     return start, start + (a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size())
+
+
+def test_a_run_capped_at_its_largest_value_reuses_that_values_buffer_in_any_phase() -> None:
+    """A value read in phase with its file offset takes a block more than its size; the buffer of
+    the largest one must still fit under a run's cap, or every large value would be a fresh one."""
+    pool = BufferPool(max_held=64 * MB, min_size=MB)
+    with pool.capped(8 * MB):
+        for phase in (17, 0, PHASE_ALIGN - 1, None, 2048):
+            a = pool.array(8 * MB, phase=phase)
+            assert phase is None or a.ctypes.data % PHASE_ALIGN == phase
+            del a
+            gc.collect()
+        assert pool.reused == 4 and pool.fresh_bytes == 8 * MB + PHASE_ALIGN
+        assert pool.held_bytes == 8 * MB + PHASE_ALIGN
 
 
 def test_a_freed_buffer_serves_smaller_tensors_side_by_side() -> None:
@@ -144,17 +159,20 @@ def test_the_pool_never_holds_more_than_its_cap_nor_lends_a_live_range_under_any
                 release(rng.choice(list(live)))
             else:
                 n = rng.choice([MB, 2 * MB, 3 * MB + 4096 + 7, 8 * MB, 16 * MB, 24 * MB]) - rng.randrange(64)
-                live[step] = pool.array(n)
+                phase = rng.choice([None, 0, rng.randrange(PHASE_ALIGN)])  # in phase with a file offset
+                live[step] = pool.array(n, phase=phase)
+                assert live[step].nbytes == n
+                assert phase is None or n < DIRECT_READ_BYTES or live[step].ctypes.data % PHASE_ALIGN == phase
                 live[step][:: 64 * 1024] = step % 251
             if step % 500 == 250:
                 with pool.capped(8 * MB):  # a run with a smaller cap: what it places in, and holds
                     for key in list(live):
                         release(key)
-                    assert pool.held_bytes <= 8 * MB
+                    assert pool.held_bytes <= 8 * MB + PHASE_ALIGN
                     live.update((-i, pool.array(MB)) for i in range(1, 4))
                     for key in live:
                         live[key][:: 64 * 1024] = key % 251
-                    assert pool.held_bytes <= 8 * MB
+                    assert pool.held_bytes <= 8 * MB + PHASE_ALIGN
             spans = sorted(_span(v) for v in live.values())
             assert all(e <= s for (_, e), (s, _) in itertools.pairwise(spans)), step
             assert pool.held_bytes <= cap and 0 <= pool.idle_bytes <= pool.held_bytes

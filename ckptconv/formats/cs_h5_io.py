@@ -32,6 +32,8 @@ from ckptconv.formats.cs_h5_heap import HeapCheckingReader
 from ckptconv.formats.cs_serializers import stored_numpy_dtype
 from ckptconv.formats.memory import empty_raw, empty_tensor
 from ckptconv.storage.base import RangeReader
+from ckptconv.storage.direct_io import ALIGN
+from ckptconv.storage.direct_reads import read_file_into
 
 if TYPE_CHECKING:
     import torch
@@ -233,8 +235,9 @@ class H5File:
             raise CorruptCheckpoint(f"{key!r}: dataset has non-numeric type {on_disk} for a {dtype} tensor")
         want = np.dtype(stored_numpy_dtype(dtype))
         bits_ok = on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))
+        phase = _phase(ds)
         if bits_ok and on_disk.byteorder in "=<|" and raw:
-            r = empty_raw(shape, dtype)
+            r = empty_raw(shape, dtype, phase=phase)
             if r.nbytes:
                 dest = r.data.view(on_disk).reshape(shape)
                 self._read_into(ds, dest, key)
@@ -244,7 +247,7 @@ class H5File:
         import torch
 
         if bits_ok and on_disk.byteorder in "=<|":
-            t = empty_tensor(shape, dtype)
+            t = empty_tensor(shape, dtype, phase=phase)
             if t.numel():
                 src = t.view(torch.int16) if dtype == "bfloat16" else t
                 dest = src.numpy().view(on_disk)
@@ -320,12 +323,8 @@ class H5File:
         if self._fd is None:
             self.storage.read_into(self.uri, offset, view)
             return True
-        done = 0
-        while done < nbytes:
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if not n:
-                raise CorruptCheckpoint(f"{key!r}: file truncated inside the dataset")
-            done += n
+        if read_file_into(self._fd, offset, view) < nbytes:
+            raise CorruptCheckpoint(f"{key!r}: file truncated inside the dataset")
         return True
 
     def read_opaque(self, obj: Any, name: str, key: str) -> bytes:
@@ -339,3 +338,13 @@ class H5File:
         if arr.dtype.kind != "V":
             raise CorruptCheckpoint(f"{key!r}: {name} is not an opaque byte string")
         return arr.tobytes()
+
+
+def _phase(ds: h5py.Dataset) -> int | None:
+    """Where a contiguous dataset's bytes start, modulo a block: a buffer in that phase is read
+    around the page cache (storage.direct_reads). None for a chunked one, or one not allocated."""
+    try:
+        offset = ds.id.get_offset() if ds.chunks is None else None
+    except H5_ERRORS:
+        return None
+    return None if offset is None else offset % ALIGN

@@ -33,6 +33,8 @@ import numpy as np
 
 from ckptconv.core.dtypes import dtype_size
 from ckptconv.formats.base import RawTensor, torch_dtype
+from ckptconv.storage.direct_io import ALIGN
+from ckptconv.storage.direct_reads import DIRECT_READ_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +49,8 @@ _M_MMAP_THRESHOLD = -3  # mallopt parameter numbers, from glibc's malloc.h
 _MADV_HUGEPAGE = 14
 # Where ranges lent from one buffer start: a cache line, as torch aligns its own allocations.
 _ALIGN = 64
+# The block size of direct reads, which a buffer in phase with its file offset is aligned to.
+PHASE_ALIGN = ALIGN
 
 _libc: Any = None
 
@@ -162,7 +166,8 @@ class BufferPool:
 
     @contextlib.contextmanager
     def capped(self, nbytes: int) -> Iterator[None]:
-        """Hold at most ``nbytes`` while the block runs (the smallest cap of the runs in progress).
+        """Hold at most ``nbytes`` (and one block, :data:`PHASE_ALIGN`) while the block runs (the
+        smallest cap of the runs in progress).
 
         A conversion's memory estimate counts twice its largest value: one alive (read ahead or
         being written) and one more. The pool's buffers are that one more: with tensors of many
@@ -171,15 +176,18 @@ class BufferPool:
         largest value, the pool stays within it. When the last run in progress ends, the pool is
         emptied.
         """
+        # A value allocated in phase with its file offset takes a block more (see ``array``): the
+        # largest one's buffer must still fit.
+        cap = max(0, nbytes) + PHASE_ALIGN
         with self._lock:
-            self._caps.append(max(0, nbytes))
+            self._caps.append(cap)
             self._trim(self._cap())
         self._drain()
         try:
             yield
         finally:
             with self._lock:
-                self._caps.remove(max(0, nbytes))
+                self._caps.remove(cap)
                 if not self._caps:
                     # The last run ended: what follows (its commit, a worker waiting for its next
                     # job) has no use for its buffers.
@@ -187,32 +195,41 @@ class BufferPool:
                     self._era += 1
             self._drain()
 
-    def tensor(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-        """An uninitialized C-contiguous CPU tensor."""
+    def tensor(self, shape: tuple[int, ...], dtype: str, *, phase: int | None = None) -> torch.Tensor:
+        """An uninitialized C-contiguous CPU tensor (``phase``: see :meth:`array`)."""
         import torch
 
         tdtype = torch_dtype(dtype)
         nbytes = math.prod(shape) * tdtype.itemsize
         if nbytes < self.min_size:
             return torch.empty(shape, dtype=tdtype)
-        return torch.from_numpy(self.array(nbytes)).view(tdtype).view(shape)
+        return torch.from_numpy(self.array(nbytes, phase=phase)).view(tdtype).view(shape)
 
-    def array(self, nbytes: int) -> np.ndarray:
+    def array(self, nbytes: int, *, phase: int | None = None) -> np.ndarray:
         """An uninitialized 1-D uint8 array of ``nbytes``: large ones from the pool, their range
-        given back when the last array or tensor over its memory is gone."""
+        given back when the last array or tensor over its memory is gone. With ``phase``, a large
+        one starts at an address equal to ``phase`` modulo :data:`PHASE_ALIGN` (a buffer in phase
+        with the file offset it is read from: ckptconv.storage.direct_reads)."""
         if nbytes < self.min_size:
-            return np.empty(nbytes, dtype=np.uint8)
+            if phase is None or nbytes < DIRECT_READ_BYTES:  # too small to be read direct
+                return np.empty(nbytes, dtype=np.uint8)
+            spare = np.empty(nbytes + PHASE_ALIGN, dtype=np.uint8)
+            at = (phase - spare.ctypes.data) % PHASE_ALIGN
+            return spare[at : at + nbytes]
+        # Room to move the start into phase, lent and given back with the range.
+        room = nbytes + (PHASE_ALIGN if phase is not None else 0)
         with self._lock:
-            block, start = self._place(nbytes)
+            block, start = self._place(room)
         self._drain()
         if block is None:
-            block = _Block(np.empty(nbytes, dtype=np.uint8), self._era)
-            advise_huge_pages(block.buf.ctypes.data, nbytes)
-            block.lent.append((0, nbytes))
+            block = _Block(np.empty(room, dtype=np.uint8), self._era)
+            advise_huge_pages(block.buf.ctypes.data, room)
+            block.lent.append((0, room))
+        at = start + ((phase - block.buf.ctypes.data - start) % PHASE_ALIGN if phase is not None else 0)
         # The array the tensor keeps alive, whose end gives the range back. Built on a memoryview,
         # not as a slice of the buffer: numpy makes a slice of a slice a view of the buffer itself,
         # so a view of the tensor's array would not keep that array, and its range, alive.
-        lease = np.frombuffer(memoryview(block.buf)[start : start + nbytes], dtype=np.uint8)
+        lease = np.frombuffer(memoryview(block.buf)[at : at + nbytes], dtype=np.uint8)
         weakref.finalize(lease, self._give_back, block, start)
         return lease
 
@@ -318,12 +335,13 @@ class BufferPool:
 POOL = BufferPool()
 
 
-def empty_tensor(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    """An uninitialized CPU tensor for a reader to fill: large ones come from :data:`POOL`."""
-    return POOL.tensor(tuple(shape), dtype)
+def empty_tensor(shape: tuple[int, ...], dtype: str, *, phase: int | None = None) -> torch.Tensor:
+    """An uninitialized CPU tensor for a reader to fill: large ones come from :data:`POOL`, in
+    ``phase`` with the file offset it is read from when given (see :meth:`BufferPool.array`)."""
+    return POOL.tensor(tuple(shape), dtype, phase=phase)
 
 
-def empty_raw(shape: tuple[int, ...], dtype: str) -> RawTensor:
+def empty_raw(shape: tuple[int, ...], dtype: str, *, phase: int | None = None) -> RawTensor:
     """:func:`empty_tensor` without torch: the tensor's bytes, for a reader to fill."""
     shape = tuple(shape)
-    return RawTensor(POOL.array(math.prod(shape) * dtype_size(dtype)), dtype, shape)
+    return RawTensor(POOL.array(math.prod(shape) * dtype_size(dtype), phase=phase), dtype, shape)

@@ -32,6 +32,8 @@ from ckptconv.core.uri import basename, parent
 from ckptconv.formats.base import Entry, OutputFile, RawTensor, TensorSink
 from ckptconv.formats.links import link_root
 from ckptconv.storage.digests import new_hash
+from ckptconv.storage.direct_io import ALIGN
+from ckptconv.storage.direct_reads import read_file_into
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, open_output_writer, upload_buffer_bytes
 
 if TYPE_CHECKING:
@@ -505,25 +507,23 @@ def read_slot(storage: Storage, slot: Slot, fd: int | None = None, *, raw: bool 
     from ckptconv.formats.memory import empty_raw, empty_tensor
 
     t: torch.Tensor | RawTensor
+    # In phase with the file: its whole blocks are read around the page cache (storage.direct_reads).
+    phase = slot.offset % ALIGN
     if raw:
-        t = empty_raw(slot.shape, slot.dtype)
+        t = empty_raw(slot.shape, slot.dtype, phase=phase)
         buf = memoryview(t.data).cast("B")
     else:
         import torch
 
-        t = empty_tensor(slot.shape, slot.dtype)
+        t = empty_tensor(slot.shape, slot.dtype, phase=phase)
         if slot.nbytes == 0:
             return t
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
     if slot.nbytes == 0:
         return t
     if fd is not None:
-        done = 0
-        while done < slot.nbytes:
-            got = os.preadv(fd, [buf[done:]], slot.offset + done)
-            if got <= 0:
-                raise CorruptCheckpoint(f"{slot.uri} ends early: wanted {slot.nbytes} bytes at offset {slot.offset}")
-            done += got
+        if read_file_into(fd, slot.offset, buf) < slot.nbytes:
+            raise CorruptCheckpoint(f"{slot.uri} ends early: wanted {slot.nbytes} bytes at offset {slot.offset}")
     else:
         storage.read_into(slot.uri, slot.offset, buf)
     return t

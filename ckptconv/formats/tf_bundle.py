@@ -72,6 +72,8 @@ from ckptconv.formats.tf_proto import (
 )
 from ckptconv.formats.tf_table import crc32c_extend, read_table, unmask_crc
 from ckptconv.formats.tree import TreeSpec
+from ckptconv.storage.direct_io import ALIGN
+from ckptconv.storage.direct_reads import read_file_into
 
 if TYPE_CHECKING:
     import torch
@@ -327,11 +329,13 @@ class TfSource(TensorSource):
     def _read_tensor(self, key: str, e: BundleEntry, *, raw: bool = False) -> torch.Tensor | RawTensor:
         """One stored tensor, checked against its CRC-32C; ``raw``: as a :class:`RawTensor`, without torch."""
         out: torch.Tensor | RawTensor
+        # In phase with the file: its whole blocks are read around the page cache (storage.direct_reads).
+        phase = e.offset % ALIGN
         if raw:
-            out = empty_raw(e.shape, TF_TO_DTYPE[e.dtype])
+            out = empty_raw(e.shape, TF_TO_DTYPE[e.dtype], phase=phase)
             view = memoryview(out.data).cast("B")
         else:
-            out = empty_tensor(e.shape, TF_TO_DTYPE[e.dtype])
+            out = empty_tensor(e.shape, TF_TO_DTYPE[e.dtype], phase=phase)
             view = byte_view(out)
         if e.size == 0:
             return out
@@ -339,14 +343,9 @@ class TfSource(TensorSource):
         path = self.storage.local_path(uri)
         if path is not None:
             # Read straight into the tensor: no intermediate bytes object for a multi-GB tensor.
-            with open(path, "rb") as f:
-                f.seek(e.offset)
-                got = 0
-                while got < e.size:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        raise CorruptCheckpoint(f"{uri} is truncated inside {key!r}")
-                    got += n
+            with open(path, "rb", buffering=0) as f:
+                if read_file_into(f.fileno(), e.offset, view[: e.size]) < e.size:
+                    raise CorruptCheckpoint(f"{uri} is truncated inside {key!r}")
         else:
             self.storage.read_into(uri, e.offset, view)
         if crc32c_extend(0, view) != unmask_crc(e.crc32c):

@@ -40,6 +40,7 @@ from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import local_path_of
 from ckptconv.storage.base import STREAM_PART_SIZE, ObjectInfo, Storage, Writer
 from ckptconv.storage.direct_io import DirectWrites, pwrite_all
+from ckptconv.storage.direct_reads import read_file_into
 from ckptconv.storage.ranges import check_range, short_read
 
 # Temp files of writers in flight (and the ones cstorch leaves behind when a save fails).
@@ -414,12 +415,9 @@ class LocalStorage(Storage):
         view = memoryview(buf).cast("B")
         check_range(uri, offset, len(view))
         with _os_errors(uri), open(local_path_of(uri), "rb", buffering=0) as f:
-            done = 0
-            while done < len(view):
-                n = os.preadv(f.fileno(), [view[done:]], offset + done)
-                if not n:
-                    raise short_read(uri, offset, len(view), done, os.fstat(f.fileno()).st_size)
-                done += n
+            done = read_file_into(f.fileno(), offset, view)
+            if done < len(view):
+                raise short_read(uri, offset, len(view), done, os.fstat(f.fileno()).st_size)
 
     def open_reader(self, uri: str) -> BinaryIO:
         with _os_errors(uri):
