@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import random
 from pathlib import Path
@@ -163,14 +164,29 @@ def test_a_tensor_read_from_a_local_file_lands_in_phase_and_whole(
     path, data = data_file
     supported = _direct_supported(path)
     direct_preads.clear()  # the probe's read
-    offset, nbytes = 3 * ALIGN + 100, 2 * DIRECT_READ_BYTES
-    slot = Slot(str(path), offset, nbytes, "uint8", (nbytes,))
+    offset = 3 * ALIGN + 100
     fd = os.open(path, os.O_RDONLY)
     try:
-        t = read_slot(LocalStorage(), slot, fd, raw=True)
+        # Raw and torch values, below and above the pool's own threshold, of a dtype whose element
+        # the offset is aligned to; one that is not (odd offset, 2-byte values) stays aligned.
+        for raw, nbytes, dtype, at in itertools.product(
+            (True, False),
+            (DIRECT_READ_BYTES, 2 * DIRECT_READ_BYTES, 5 * DIRECT_READ_BYTES // 2),
+            ("uint8", "int16"),
+            (offset, offset + 1),
+        ):
+            if at + nbytes > SIZE:
+                continue
+            direct_preads.clear()
+            shape = (nbytes // (2 if dtype == "int16" else 1),)
+            t = read_slot(LocalStorage(), Slot(str(path), at, nbytes, dtype, shape), fd, raw=raw)
+            address = t.data.ctypes.data if raw else t.data_ptr()
+            got = t.data.tobytes() if raw else t.numpy().tobytes()
+            assert got == data[at : at + nbytes]
+            in_phase = at % (2 if dtype == "int16" else 1) == 0
+            assert (address % ALIGN == at % ALIGN) == in_phase, (raw, nbytes, dtype, at)
+            assert address % (2 if dtype == "int16" else 1) == 0
+            if supported:
+                assert bool(direct_preads) == in_phase
     finally:
         os.close(fd)
-    assert t.data.ctypes.data % ALIGN == offset % ALIGN
-    assert t.data.tobytes() == data[offset : offset + nbytes]
-    if supported:
-        assert direct_preads

@@ -201,7 +201,7 @@ class BufferPool:
 
         tdtype = torch_dtype(dtype)
         nbytes = math.prod(shape) * tdtype.itemsize
-        if nbytes < self.min_size:
+        if nbytes < self.min_size and (phase is None or nbytes < DIRECT_READ_BYTES):
             return torch.empty(shape, dtype=tdtype)
         return torch.from_numpy(self.array(nbytes, phase=phase)).view(tdtype).view(shape)
 
@@ -338,10 +338,17 @@ POOL = BufferPool()
 def empty_tensor(shape: tuple[int, ...], dtype: str, *, phase: int | None = None) -> torch.Tensor:
     """An uninitialized CPU tensor for a reader to fill: large ones come from :data:`POOL`, in
     ``phase`` with the file offset it is read from when given (see :meth:`BufferPool.array`)."""
-    return POOL.tensor(tuple(shape), dtype, phase=phase)
+    return POOL.tensor(tuple(shape), dtype, phase=_aligned_phase(phase, dtype))
 
 
 def empty_raw(shape: tuple[int, ...], dtype: str, *, phase: int | None = None) -> RawTensor:
     """:func:`empty_tensor` without torch: the tensor's bytes, for a reader to fill."""
     shape = tuple(shape)
-    return RawTensor(POOL.array(math.prod(shape) * dtype_size(dtype), phase=phase), dtype, shape)
+    return RawTensor(POOL.array(math.prod(shape) * dtype_size(dtype), phase=_aligned_phase(phase, dtype)), dtype, shape)
+
+
+def _aligned_phase(phase: int | None, dtype: str) -> int | None:
+    """``phase``, unless a buffer there would not be aligned to the dtype's element (bytes stored
+    at an odd offset): such a value is read through the page cache into an aligned buffer, as
+    the kernels that compute on it expect."""
+    return phase if phase is not None and phase % dtype_size(dtype) == 0 else None

@@ -13,12 +13,13 @@ GIL. Here nothing is copied.)
 
 ``O_DIRECT`` wants the buffer's address, the file offset and the length all multiples of
 :data:`~ckptconv.storage.direct_io.ALIGN`. A buffer *in phase* with its file offset (its address
-and the offset equal modulo ``ALIGN``: ckptconv.formats.memory hands out such buffers for large
-values) has every whole block of its range at an aligned address: :func:`read_file_into` reads
-those blocks direct and only the partial blocks at either end through the page cache. A buffer
-out of phase, a small read, or a filesystem that refuses ``O_DIRECT`` (``EINVAL``: tmpfs, some
-FUSE and network mounts) is read through the page cache as before; ``CKPTCONV_DIRECT_IO=0`` does
-the same on purpose. The bytes are the same either way: the kernel keeps direct reads coherent
+and the offset equal modulo ``ALIGN``: ckptconv.formats.memory hands out such buffers for values
+of ``DIRECT_READ_BYTES`` or more stored at offsets aligned to their element) has every whole
+block of its range at an aligned address: :func:`read_file_into` reads those blocks direct and
+only the partial blocks at either end through the page cache. A buffer out of phase, a small
+read, or a filesystem that refuses ``O_DIRECT`` (``EINVAL``: older tmpfs, some FUSE and network
+mounts) is read through the page cache as before; ``CKPTCONV_DIRECT_IO=0`` does the same on
+purpose. The bytes are the same either way: the kernel keeps direct reads coherent
 with the page cache (it writes back dirty cached pages of the range first).
 """
 
