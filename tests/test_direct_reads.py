@@ -22,7 +22,7 @@ from ckptconv.storage.direct_io import ALIGN
 from ckptconv.storage.direct_reads import DIRECT_READ_BYTES, address_of, direct_span, read_file_into
 from ckptconv.storage.local import LocalStorage
 
-SIZE = 3 * DIRECT_READ_BYTES + 12345
+SIZE = 5 * DIRECT_READ_BYTES + 12345  # room for a value above the pool's own threshold (4 MiB)
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def test_a_tensor_read_from_a_local_file_lands_in_phase_and_whole(
         # the offset is aligned to; one that is not (odd offset, 2-byte values) stays aligned.
         for raw, nbytes, dtype, at in itertools.product(
             (True, False),
-            (DIRECT_READ_BYTES, 2 * DIRECT_READ_BYTES, 5 * DIRECT_READ_BYTES // 2),
+            (DIRECT_READ_BYTES, 5 * DIRECT_READ_BYTES // 2, 9 * DIRECT_READ_BYTES // 2),
             ("uint8", "int16"),
             (offset, offset + 1),
         ):
@@ -190,3 +190,34 @@ def test_a_tensor_read_from_a_local_file_lands_in_phase_and_whole(
                 assert bool(direct_preads) == in_phase
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "cs-h5", "tf", "torch"])
+def test_every_local_source_format_reads_its_large_values_direct(
+    tmp_path: Path, direct_preads: list[tuple[int, int]], fmt: str
+) -> None:
+    """Each reader of local files places its values in phase: a large value's whole blocks go
+    direct, and it reads back the bytes that were written."""
+    from safetensors.numpy import save_file
+
+    from ckptconv.engine.convert import convert
+    from ckptconv.formats.detect import open_source
+
+    rng = np.random.default_rng(3)
+    values = {"big": rng.standard_normal(3 * DIRECT_READ_BYTES // 4, dtype=np.float32), "small": np.arange(5.0)}
+    source = tmp_path / "src.safetensors"
+    save_file(values, str(source))
+    target = {"safetensors": "out", "cs-h5": "out.mdl", "tf": "tf/model.ckpt", "torch": "bin"}[fmt]
+    out = str(tmp_path / target)
+    convert(str(source), out, to=fmt)
+    supported = _direct_supported(source)
+    direct_preads.clear()  # the probe's, and any the conversion made
+    src = open_source(out)
+    try:
+        got = src.read("big")
+    finally:
+        src.close()
+    got_bytes = got.numpy().tobytes() if hasattr(got, "numpy") else got.data.tobytes()
+    assert got_bytes == values["big"].tobytes()
+    if supported:
+        assert sum(n for _, n in direct_preads) >= len(got_bytes) - 2 * ALIGN
