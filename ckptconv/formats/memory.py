@@ -214,7 +214,7 @@ class BufferPool:
             if phase is None or nbytes < DIRECT_READ_BYTES:  # too small to be read direct
                 return np.empty(nbytes, dtype=np.uint8)
             spare = np.empty(nbytes + PHASE_ALIGN, dtype=np.uint8)
-            at = (phase - spare.ctypes.data) % PHASE_ALIGN
+            at = _shift_into_phase(spare.ctypes.data, phase)
             return spare[at : at + nbytes]
         # Room to move the start into phase, lent and given back with the range.
         room = nbytes + (PHASE_ALIGN if phase is not None else 0)
@@ -225,7 +225,7 @@ class BufferPool:
             block = _Block(np.empty(room, dtype=np.uint8), self._era)
             advise_huge_pages(block.buf.ctypes.data, room)
             block.lent.append((0, room))
-        at = start + ((phase - block.buf.ctypes.data - start) % PHASE_ALIGN if phase is not None else 0)
+        at = start + (_shift_into_phase(block.buf.ctypes.data + start, phase) if phase is not None else 0)
         # The array the tensor keeps alive, whose end gives the range back. Built on a memoryview,
         # not as a slice of the buffer: numpy makes a slice of a slice a view of the buffer itself,
         # so a view of the tensor's array would not keep that array, and its range, alive.
@@ -345,6 +345,11 @@ def empty_raw(shape: tuple[int, ...], dtype: str, *, phase: int | None = None) -
     """:func:`empty_tensor` without torch: the tensor's bytes, for a reader to fill."""
     shape = tuple(shape)
     return RawTensor(POOL.array(math.prod(shape) * dtype_size(dtype), phase=_aligned_phase(phase, dtype)), dtype, shape)
+
+
+def _shift_into_phase(address: int, phase: int) -> int:
+    """The bytes to skip from ``address`` to the first address equal to ``phase`` modulo a block."""
+    return (phase - address) % PHASE_ALIGN
 
 
 def _aligned_phase(phase: int | None, dtype: str) -> int | None:

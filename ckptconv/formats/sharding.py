@@ -499,8 +499,10 @@ def tensor_view(value: torch.Tensor | RawTensor) -> memoryview:
 def read_slot(storage: Storage, slot: Slot, fd: int | None = None, *, raw: bool = False) -> torch.Tensor | RawTensor:
     """One tensor from its byte range, read straight into the tensor's memory.
 
-    ``fd`` (an open local file) reads with ``preadv`` and no intermediate copy; otherwise one
-    ranged read of exactly the tensor's bytes. ``raw``: a :class:`RawTensor`, without torch.
+    ``fd`` (an open local file) reads with ``preadv`` and no intermediate copy, the tensor placed
+    in phase with its offset so that its whole blocks go around the page cache
+    (ckptconv.storage.direct_reads); otherwise one ranged read of exactly the tensor's bytes.
+    ``raw``: a :class:`RawTensor`, without torch.
     """
     # Deferred: the buffer pool imports numpy, and the API process imports this module (shard
     # sizes) without numpy or torch.
