@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.convert_bench import ROOT, compile_sources, drop_caches, generate_in_child, llama_shapes, parse_size
+from bench.convert_bench import ROOT, compile_sources, generate_in_child, llama_shapes, parse_size
+from bench.disk import drop_caches
 
 CKPTCONV = [sys.executable, "-m", "ckptconv"]
 

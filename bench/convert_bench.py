@@ -4,13 +4,17 @@ Generates a synthetic Llama-style bf16 checkpoint (sharded safetensors, default 
 1 GB shards), then times, each as a separate process so that its peak RSS is its own:
 
 - ``cp`` of the shards (the baseline),
+- the same copy by the disk alone (``dd`` with ``O_DIRECT``, one per shard at once, see
+  :mod:`bench.disk`): ckptconv reads and writes around the page cache, whose cost here varies
+  more than the disk's,
 - safetensors -> Cerebras H5,
 - Cerebras H5 -> safetensors,
 - Cerebras H5 -> sharded PyTorch ``.bin``,
 - safetensors -> TensorFlow checkpoint and back,
 - the Llama model layout: Hugging Face -> Cerebras Model Zoo 2.9 (``convert-model``) and back,
 
-and prints wall time, throughput, the ratio to the baseline and peak RSS. Every command ends with
+and prints wall time, throughput, the ratios to both, how busy the disk was and peak RSS. Every
+command ends with
 ``sync``, and the page cache is dropped before each when the machine allows it (root), as the
 figures otherwise mostly measure memory copies. Timings on a shared machine vary; compare ratios
 measured in the same run, medians over ``--repeat`` runs.
@@ -29,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.disk import Disk, direct_copy_command, direct_io_works, drop_caches
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,15 +179,6 @@ def base_memory() -> int:
     return int(subprocess.run([sys.executable, "-c", ask], check=True, capture_output=True, cwd=ROOT).stdout)
 
 
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def run_measured(cmd: list[str], *, stdout: Path | None = None) -> tuple[float, int]:
     """Wall seconds (command + sync) and peak RSS in bytes of one child process (its standard
     output goes to the file ``stdout`` when given)."""
@@ -231,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     # (name, command, outputs, kept for the next cases)
     cases = [
         ("cp (baseline)", ["cp", "-r", str(src), str(work / "copy")], [work / "copy"], False),
+        *(
+            [("disk alone (dd, O_DIRECT)", direct_copy_command(shards, work / "dd"), [work / "dd"], False)]
+            if direct_io_works(work)
+            else []
+        ),
         (
             "safetensors -> cs-h5",
             [*exe, "convert", str(index), str(mdl), "--to", "cs-h5", "--no-progress"],
@@ -307,34 +309,58 @@ def main(argv: list[str] | None = None) -> int:
         ),
     ]
     dropped = drop_caches()
+    disk = Disk(work)
     results = []
     for name, cmd, outs, needed_later in cases:
-        walls, rss = [], []
+        walls, rss, busy = [], [], []
         for _ in range(args.repeat):
             for p in outs:
                 _remove(p)
             drop_caches()
+            before = disk.counters()
             wall, peak = run_measured(cmd)
+            use = disk.since(before)
             walls.append(wall)
             rss.append(peak)
+            busy.append(use.busy(wall) if use else None)
         if not (needed_later or args.keep):
             for p in outs:
                 _remove(p)
-        results.append({"case": name, "wall_s": statistics.median(walls), "peak_rss": max(rss), "runs": walls})
+        known = [b for b in busy if b is not None]
+        results.append(
+            {
+                "case": name,
+                "wall_s": statistics.median(walls),
+                "peak_rss": max(rss),
+                "runs": walls,
+                "disk_busy": statistics.median(known) if known else None,
+            }
+        )
     base = results[0]["wall_s"]
+    alone = next((r["wall_s"] for r in results if r["case"].startswith("disk alone")), None)
     print()
     print(
         f"checkpoint: {len(shards)} shards, {total / 1e9:.2f} GB, largest tensor {largest / 1e6:.0f} MB;"
         f" page cache {'dropped' if dropped else 'NOT dropped (not root)'} before each run;"
         f" median of {args.repeat}"
     )
-    print(f"{'case':<32} {'wall':>8} {'MB/s':>8} {'x cp':>6} {'peak RSS':>10}  {'RSS target':>10}")
+    print(
+        f"{'case':<32} {'wall':>8} {'MB/s':>8} {'x cp':>6} {'x disk':>7} {'disk busy':>9}"
+        f" {'peak RSS':>10}  {'RSS target':>10}"
+    )
     target_rss = 2 * largest + base_memory()
     for r in results:
+        baseline = r["case"] in ("cp (baseline)", "disk alone (dd, O_DIRECT)")
+        x_disk = f"{r['wall_s'] / alone:>6.2f}x" if alone else ""
+        busy = f"{r['disk_busy']:.0%}" if r["disk_busy"] is not None else ""
         print(
             f"{r['case']:<32} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>8.0f} {r['wall_s'] / base:>5.2f}x"
-            f" {r['peak_rss'] / 1e6:>8.0f}MB  {'' if r is results[0] else f'{target_rss / 1e6:>8.0f}MB'}"
+            f" {x_disk:>7} {busy:>9} {r['peak_rss'] / 1e6:>8.0f}MB  {'' if baseline else f'{target_rss / 1e6:>8.0f}MB'}"
         )
+    print(
+        "x disk: against the disk alone copying the same shards (see bench/disk.py); disk busy: the share of"
+        " the wall\ntime the device had a request in flight (a case near 100% is paced by the disk)"
+    )
     if args.json:
         print(json.dumps({"bytes": total, "largest_tensor": largest, "results": results}, indent=2))
     if not args.keep:

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.disk import drop_caches
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -81,15 +83,6 @@ def child(args: list[str]) -> None:
     t2 = time.perf_counter()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"imports_s": t1 - t0, "work_s": t2 - t1, "peak_rss": rss}))
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def run_case(cmd: list[str]) -> dict:

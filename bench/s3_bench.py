@@ -14,8 +14,9 @@ case as its own process with its peak RSS beside the peak its own plan estimated
 - one job fanned out (``parallelism`` N) over N worker processes of a private service (Redis, the
   API and the workers on loopback), s3 safetensors -> s3 cs-h5, for N = 1, 2, 4
   (``--fanout-workers``); wall time from submit to the job's end, the largest worker peak RSS;
-- the same from local disk to local disk (against ``cp`` of the shards, with ``sync``), where the
-  S3 server does not compete with the workers for the machine's cores.
+- the same from local disk to local disk (against ``cp`` of the shards, with ``sync``, and the disk
+  alone copying them, see :mod:`bench.disk`), where the S3 server does not compete with the workers
+  for the machine's cores; every case prints how busy the local disk was.
 
 The page cache is dropped before each case when the machine allows it (root). Never measure
 throughput on moto: it reads a whole object for every ranged GET.
@@ -47,12 +48,12 @@ from pathlib import Path
 from bench.convert_bench import (
     _numel,
     compile_sources,
-    drop_caches,
     generate_in_child,
     llama_shapes,
     parse_size,
     run_measured,
 )
+from bench.disk import Disk, direct_copy_command, direct_io_works, drop_caches
 from bench.ports import free_port
 from bench.workers import Service, cpu_seconds
 
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if not with_s3:
             cases = []
         dropped = drop_caches()
+        disk = Disk(work)
         results = []
         for name, cmd, baseline in cases:
             printed = work / "result.json"
@@ -214,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = [*cmd, "--no-progress", "--json"]
             drop_caches()
             served = s3_cpu_seconds(server)
+            before = disk.counters()
             wall, peak = run_measured(cmd, stdout=printed)
+            use = disk.since(before)
             served = s3_cpu_seconds(server) - served
             estimate = planned_peak(printed) if not name.startswith("s5cmd") else None
             results.append(
@@ -225,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                     "estimate": estimate,
                     "baseline": baseline,
                     "s3_cpu_s": served,
+                    "disk_busy": use.busy(wall) if use else None,
                 }
             )
             print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, estimate)}", flush=True)
@@ -233,21 +238,28 @@ def main(argv: list[str] | None = None) -> int:
             # server shares the machine's cores with the workers.
             fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")] if with_s3 else []
             fanned.append(("local st -> local cs-h5", str(src / "model.safetensors.index.json"), "cp"))
-            drop_caches()
-            shards = [str(p) for p in files if p.suffix == ".safetensors"]
+            shards = [p for p in files if p.suffix == ".safetensors"]
             copied.mkdir(parents=True, exist_ok=True)
-            wall, peak = run_measured(["cp", *shards, str(copied)])
-            results.append(
-                {
-                    "case": "cp (local -> local)",
-                    "wall_s": wall,
-                    "peak_rss": peak,
-                    "estimate": None,
-                    "baseline": None,
-                    "s3_cpu_s": None,  # S3 plays no part
-                }
-            )
-            print(f"  cp (local -> local): {wall:.2f}s", flush=True)
+            copies = [("cp (local -> local)", ["cp", *map(str, shards), str(copied)])]
+            if direct_io_works(work):
+                copies.append(("disk alone (dd, O_DIRECT)", direct_copy_command(shards, copied / "dd")))
+            for name, cmd in copies:
+                drop_caches()
+                before = disk.counters()
+                wall, peak = run_measured(cmd)
+                use = disk.since(before)
+                results.append(
+                    {
+                        "case": name,
+                        "wall_s": wall,
+                        "peak_rss": peak,
+                        "estimate": None,
+                        "baseline": None,
+                        "s3_cpu_s": None,  # S3 plays no part
+                        "disk_busy": use.busy(wall) if use else None,
+                    }
+                )
+                print(f"  {name}: {wall:.2f}s", flush=True)
             service = Service(work / "service-logs", dict(os.environ))
             try:
                 for label, source, baseline in fanned:
@@ -256,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                         where = f"{s3}/fan{n}" if source.startswith("s3://") else str(work / f"fan{n}")
                         drop_caches()
                         served = s3_cpu_seconds(server)
+                        before = disk.counters()
                         wall, peak, cpu = service.run(
                             source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n
                         )
+                        use = disk.since(before)
                         served = s3_cpu_seconds(server) - served if source.startswith("s3://") else None
                         results.append(
                             {
@@ -269,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "baseline": baseline,
                                 "s3_cpu_s": served,
                                 "workers_cpu_s": cpu,
+                                "disk_busy": use.busy(wall) if use else None,
                             }
                         )
                         print(
@@ -298,25 +313,30 @@ def main(argv: list[str] | None = None) -> int:
         f" {largest / 1e6:.0f} MB; S3: {f's3rver {S3RVER_VERSION} on loopback' if with_s3 else 'none'}; page cache"
         f" {'dropped' if dropped else 'NOT dropped (not root)'} before each case"
     )
+    alone = walls.get("disk alone (dd, O_DIRECT)")
     print(
-        f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'S3 CPU':>7} {'busy':>5}"
-        f" {'peak RSS':>9} {'estimate':>9}"
+        f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'x disk':>7} {'S3 CPU':>7} {'busy':>5}"
+        f" {'disk':>5} {'peak RSS':>9} {'estimate':>9}"
     )
     for r in results:
         b = r["baseline"]
         ratio = f"{r['wall_s'] / base[b]:>5.2f}x" if b else ""
+        x_disk = f"{r['wall_s'] / alone:>6.2f}x" if alone and b == "cp" else ""
         estimate = f"{r['estimate'] / 1e6:>7.0f}MB" if r["estimate"] else ""
         cpu = r["s3_cpu_s"]
         served = "" if cpu is None else f"{cpu:>6.2f}s {cpu / r['wall_s']:>4.0%}"
+        busy = f"{r['disk_busy']:.0%}" if r.get("disk_busy") is not None else ""
         print(
             f"{r['case']:<44} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
-            f" {served:>14} {r['peak_rss'] / 1e6:>7.0f}MB"
+            f" {x_disk:>7} {served:>14} {busy:>5} {r['peak_rss'] / 1e6:>7.0f}MB"
             f" {estimate:>9}{over(r['peak_rss'], r['estimate'])}"
         )
     print("estimate: the run's own plan (memory.estimated_peak_bytes: twice its largest tensor, its upload buffers")
     print("on S3 and 300 MiB), printed by each conversion; the fan-out cases print none. S3 CPU: the s3rver")
     print("process's CPU time during the case; busy: that over the wall time (its JavaScript runs on one thread:")
-    print("near 100%, the server, not its client, sets the pace)")
+    print("near 100%, the server, not its client, sets the pace). x disk: a local case against the disk alone")
+    print("copying the same shards (dd with O_DIRECT, one per shard at once, see bench/disk.py); disk: the share of")
+    print("the wall time the local disk had a request in flight (near 100%: the disk sets the pace)")
     if args.json:
         print(json.dumps({"bytes": total, "largest_tensor": largest, "results": results}, indent=2))
     return 0
