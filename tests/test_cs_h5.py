@@ -41,6 +41,7 @@ from s3_area import OnS3
 from ckptconv.core.errors import (
     CorruptCheckpoint,
     IncompleteCheckpoint,
+    InvalidRequest,
     KeyCollision,
     TargetExists,
     UnsafeCheckpoint,
@@ -77,6 +78,16 @@ def sink(path: Path | str, **kw) -> CsH5Sink:
 def save(path: Path, tree, **kw) -> None:
     entries, spec, values = entries_from_tree(tree)
     write_all(sink(path, **kw), entries, spec, values)
+
+
+def test_options_the_sink_cannot_use_are_refused_when_it_is_made(tmp_path: Path, s3_bucket: str) -> None:
+    # Not after the file's skeleton is built and the source's reads have started.
+    with pytest.raises(InvalidRequest, match="LZ4 mode"):
+        sink(tmp_path / "a.mdl", lz4="fastest")
+    with pytest.raises(InvalidRequest, match="part_size"):
+        sink(f"s3://{s3_bucket}/a.mdl", part_size=1 << 20)
+    sink(tmp_path / "b.mdl", part_size=1 << 20)  # a local file has no parts
+    assert not list(tmp_path.iterdir())
 
 
 def reload(path: Path):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import struct
 import threading
 from pathlib import Path
 
@@ -10,7 +13,14 @@ import pytest
 import torch
 from killed_copy import killed_after_the_first_file, killed_at_the_second_part, lower_copy_threshold
 
-from ckptconv.core.errors import Cancelled, InvalidRequest, StorageUnavailable, TargetExists
+from ckptconv.core.errors import (
+    Cancelled,
+    InvalidRequest,
+    StorageError,
+    StorageUnavailable,
+    TargetExists,
+    UnsupportedValue,
+)
 from ckptconv.engine import run as engine
 from ckptconv.engine.convert import convert, inspect, plan_conversion
 from ckptconv.engine.execute import execute, verify_output
@@ -270,6 +280,152 @@ def test_verification_catches_corrupted_output(tmp_path: Path) -> None:
     assert not report.ok
     assert any("content differs" in m for m in report.mismatches)
     src.close()
+
+
+class _ReadLog:
+    """Records the source's reads (a spy on the instance's ``read``; the reads still happen)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, source) -> None:
+        self.keys: list[str] = []
+        self.started = threading.Event()
+        read = source.read
+
+        def logged(key: str):
+            self.keys.append(key)
+            self.started.set()
+            return read(key)
+
+        monkeypatch.setattr(source, "read", logged)
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ckptconv-prefetch")]
+
+
+def test_the_reads_start_while_a_cs_h5_sink_lays_out_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cs-h5 skeleton (a dataset and its attributes per entry) takes hundreds of ms for a large
+    # model: the source must not sit idle meanwhile. The skeleton waits here for the first read;
+    # run in order, it would wait the full timeout and see none.
+    src = open_source(write_source(tmp_path, "safetensors"))
+    reads = _ReadLog(monkeypatch, src)
+    out = str(tmp_path / "out.mdl")
+    sink = sink_class("cs-h5")(open_storage(out), out)
+    allocate = sink._allocate
+    seen: list[bool] = []
+
+    def allocate_after_a_read(*args):
+        seen.append(reads.started.wait(timeout=10))
+        return allocate(*args)
+
+    monkeypatch.setattr(sink, "_allocate", allocate_after_a_read)
+    plan = identity_plan(src.entries(), src.spec)
+    execute(plan, src, sink)
+    sink.commit()
+    src.close()
+    assert seen == [True]
+    assert_same(read_all(out), _state_dict())
+
+
+def _refuse(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> str:
+    """A target that ``fmt``'s sink refuses in ``begin``, by ``case``; returns its URI."""
+    out = tmp_path / {"cs-h5": "out.mdl", "tf": "out_tf/model.ckpt"}.get(fmt, "out")
+    if case == "exists":
+        if fmt == "tf":
+            out.parent.mkdir()
+            (out.parent / "model.ckpt.index").write_bytes(b"precious")
+        else:
+            out.write_bytes(b"precious")
+    elif case == "full":  # no room for the output on its filesystem
+
+        class Full:
+            f_bavail, f_frsize = 0, 4096
+
+        monkeypatch.setattr("ckptconv.storage.local.os.statvfs", lambda path: Full())
+    else:  # over a quota, which statvfs does not show: the blocks' reservation is refused
+
+        def over_quota(fd: int, mode: int, offset: int, nbytes: int) -> int:
+            ctypes.set_errno(errno.EDQUOT)
+            return -1
+
+        monkeypatch.setattr("ckptconv.storage.local._fallocate", over_quota)
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    "case,fmt",
+    [
+        ("exists", "cs-h5"),
+        ("exists", "tf"),
+        ("full", "cs-h5"),
+        ("full", "safetensors"),
+        ("full", "torch"),
+        ("quota", "cs-h5"),
+    ],
+)
+def test_a_sink_that_refuses_the_job_in_begin_reads_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, fmt: str
+) -> None:
+    src = open_source(write_source(tmp_path, "safetensors"))
+    reads = _ReadLog(monkeypatch, src)
+    out = _refuse(case, tmp_path, monkeypatch, fmt)
+    sink = sink_class(fmt)(open_storage(out), out)
+    with pytest.raises(TargetExists if case == "exists" else StorageError):
+        execute(identity_plan(src.entries(), src.spec), src, sink)
+    sink.abort()
+    src.close()
+    assert reads.keys == []
+    assert not _prefetch_threads()
+
+
+def test_a_begin_failing_after_the_reads_started_waits_for_them_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failure past the checks (HDF5 failing to lay out the file) stops the readers while one is
+    # reading: the error waits for that read (its buffer must be back before the pool's cap is
+    # lifted), and then nothing is left running or on disk.
+    src = open_source(write_source(tmp_path, "safetensors"))
+    in_read, go_on = threading.Event(), threading.Event()
+    read = src.read
+
+    def held_read(key: str):
+        in_read.set()
+        assert go_on.wait(timeout=10)
+        return read(key)
+
+    monkeypatch.setattr(src, "read", held_read)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = str(out_dir / "out.mdl")
+    sink = sink_class("cs-h5")(open_storage(out), out)
+
+    def failing_allocate(*args):
+        assert in_read.wait(timeout=10)
+        go_on.set()
+        raise OSError("injected: HDF5 could not lay out the file")
+
+    monkeypatch.setattr(sink, "_allocate", failing_allocate)
+    with pytest.raises(OSError, match="injected"):
+        execute(identity_plan(src.entries(), src.spec), src, sink)
+    assert not _prefetch_threads()
+    sink.abort()
+    src.close()
+    assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("to", ["cs-h5", "safetensors", "tf", "torch"])
+def test_a_key_that_is_not_unicode_text_is_refused_before_the_target_is_touched(tmp_path: Path, to: str) -> None:
+    # JSON can escape a lone surrogate, which no container's UTF-8 names (JSON headers, HDF5, S3
+    # keys, TensorFlow's table) can hold.
+    header = '{"a.w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+    header += '"bad\\udcff":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}'
+    raw = header.encode() + b" " * (-len(header) % 8)
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
+    out = tmp_path / {"cs-h5": "out.mdl", "tf": "out_tf/model.ckpt"}.get(to, "out")
+    with pytest.raises(UnsupportedValue, match="not valid Unicode") as err:
+        convert(str(src), str(out), to=to)
+    assert err.value.details["key"] == "bad\udcff"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
 def test_plan_and_inspect_read_metadata_only(tmp_path: Path) -> None:

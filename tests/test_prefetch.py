@@ -78,3 +78,26 @@ def test_a_failed_read_is_raised_for_its_own_key_and_stop_returns(source):
             fetcher.get("missing")
     finally:
         fetcher.stop()
+
+
+def test_a_thread_that_cannot_start_leaves_no_reader_running(source, monkeypatch):
+    # A machine out of threads: the second reader cannot start. The caller never gets the
+    # Prefetcher (so could never stop it): the first reader must be stopped before the error.
+    import threading
+
+    src, _ = source
+    sizes = {e.key: e.nbytes for e in src.entries()}
+    start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def second_fails(self):
+        if self.name.startswith("ckptconv-prefetch") and started:
+            raise RuntimeError("can't start new thread")
+        start(self)
+        started.append(self)
+
+    monkeypatch.setattr(threading.Thread, "start", second_fails)
+    with pytest.raises(RuntimeError, match="can't start"):
+        Prefetcher(src, [f"w{i:02d}" for i in range(20)], sizes, 64 * KiB, workers=3)
+    assert len(started) == 1
+    assert not started[0].is_alive()

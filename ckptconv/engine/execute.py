@@ -214,25 +214,23 @@ def execute(
     reporter = reporter or ProgressReporter(None)
     entries = plan.entries()
     sink.check(entries)
-    sink.begin(entries, plan.spec)
     src_sizes = {e.key: e.nbytes for e in source.entries()}
     uses = plan.input_uses()
     order = _first_use_order(plan)
     largest = max((src_sizes.get(k, 0) for k in order), default=0)
     budget = max(largest, read_ahead or 0)
+    fetcher: Prefetcher | None = None
 
     def hashed_as_read(key: str, value: Any) -> None:
         if read_digests is not None:
             read_digests[key] = value_digest(value)
 
-    # A sink that takes tensors as bytes gets them so from a source that can read them so: a
-    # conversion that only moves bytes never imports torch. A transform gets torch tensors unless
-    # it takes bytes too (``Transform.raw``).
-    # The buffer pool's buffers (idle or partly lent) are the estimate's second largest value
-    # (formats/memory.py).
-    with source.reading_raw(sink.accepts_raw), POOL.capped(max(largest, plan.largest_entry_bytes())):
-        fetcher = (
-            Prefetcher(
+    def start_reading() -> None:
+        # Called by the sink's begin once it will refuse nothing more (TensorSink.begin): the
+        # reads overlap the rest of its preparation, and a refused job reads nothing.
+        nonlocal fetcher
+        if prefetch and order:
+            fetcher = Prefetcher(
                 source,
                 order,
                 src_sizes,
@@ -240,13 +238,18 @@ def execute(
                 workers=source.read_parallelism if parallel_reads else 1,
                 on_read=hashed_as_read,
             )
-            if prefetch and order
-            else None
-        )
+
+    # A sink that takes tensors as bytes gets them so from a source that can read them so: a
+    # conversion that only moves bytes never imports torch. A transform gets torch tensors unless
+    # it takes bytes too (``Transform.raw``).
+    # The buffer pool's buffers (idle or partly lent) are the estimate's second largest value
+    # (formats/memory.py).
+    with source.reading_raw(sink.accepts_raw), POOL.capped(max(largest, plan.largest_entry_bytes())):
         cache: dict[str, Any] = {}
         digests: dict[str, str] = {}
-        reporter.stage("converting", plan.tensors_total, plan.bytes_total)
         try:
+            sink.begin(entries, plan.spec, on_checked=start_reading)
+            reporter.stage("converting", plan.tensors_total, plan.bytes_total)
             for step in plan.steps:
                 check_cancelled(cancelled)
                 out = step.out

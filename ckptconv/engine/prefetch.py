@@ -59,8 +59,12 @@ class Prefetcher:
             threading.Thread(target=self._run, name=f"ckptconv-prefetch-{i}", daemon=True)
             for i in range(max(1, min(workers, len(keys))))
         ]
-        for t in self._threads:
-            t.start()
+        try:
+            for t in self._threads:
+                t.start()
+        except BaseException:
+            self.stop()  # no thread left reading for a Prefetcher its caller never got
+            raise
 
     def _claim(self) -> int | None:
         """The index of the next key to read, once the budget allows it; None when done."""
@@ -125,4 +129,5 @@ class Prefetcher:
             self._results.clear()
             self._cond.notify_all()
         for t in self._threads:
-            t.join()
+            if t.ident is not None:  # started
+                t.join()

@@ -34,12 +34,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckptconv.core.dtypes import dtype_size
-from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype
+from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype, UnsupportedValue
 from ckptconv.storage.base import streaming_buffer_bytes
 from ckptconv.storage.digests import ALGORITHM, digest_facts, entry_digests
 from ckptconv.storage.local import check_free_space
@@ -262,6 +262,14 @@ class TensorSource(abc.ABC):
         self.close()
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class TensorSink(abc.ABC):
     """Writes one checkpoint, one value at a time. See the module docstring for the contract.
 
@@ -286,6 +294,7 @@ class TensorSink(abc.ABC):
         self._state: Literal["new", "open", "committed", "closed"] = "new"
         self._write_order: list[str] = []  # the keys write() receives, in the announced order
         self._writes_done = 0  # how many of them were written: the next one is due
+        self._on_checked: Callable[[], None] | None = None  # see begin()
 
     @classmethod
     def remote_buffer_bytes(cls, options: dict[str, Any]) -> int:
@@ -306,9 +315,17 @@ class TensorSink(abc.ABC):
         A classmethod so plans can be checked without creating a sink; formats with more rules
         override it (as a classmethod) and call ``super().check(entries)``.
         """
-        if cls.supported_dtypes is None:
-            return
         for e in entries:
+            if not e.key.isascii() and not _utf8(e.key):
+                # Every container names its values in UTF-8 (JSON headers, HDF5, S3 keys, TF's
+                # table): a key JSON escaped as a lone surrogate is refused before any work.
+                raise UnsupportedValue(
+                    f"{e.key!r} is not valid Unicode text (it holds a lone surrogate)",
+                    key=e.key,
+                    hint="rename the key in the source checkpoint",
+                )
+            if cls.supported_dtypes is None:
+                continue
             if e.kind in ("tensor", "array") and e.dtype not in cls.supported_dtypes:
                 raise UnsupportedDtype(
                     f"{cls.format} cannot store {e.key!r} of dtype {e.dtype}",
@@ -316,13 +333,28 @@ class TensorSink(abc.ABC):
                     dtype=e.dtype,
                 )
 
-    def begin(self, entries: list[Entry], spec: TreeSpec | None) -> None:
-        """Announce every entry (and how they nest) before any data."""
+    def begin(
+        self, entries: list[Entry], spec: TreeSpec | None, *, on_checked: Callable[[], None] | None = None
+    ) -> None:
+        """Announce every entry (and how they nest) before any data.
+
+        ``on_checked`` is called once, when the sink has made every check by which it refuses a job
+        up front (a target already there, keys it cannot hold, too little free space), before the
+        rest of its preparation: the executor starts reading the source there, so that a sink with
+        a slow preparation (the cs-h5 skeleton) does not keep the source idle, and a refused job
+        reads nothing. Sinks call it at the end of ``begin`` unless they call
+        :meth:`_checks_passed` earlier.
+        """
         self._require("begin()", allowed=("new",))
         entries = list(entries)
         self._state = "closed"  # a begin that fails leaves a sink fit only for abort()
-        self._begin(entries, spec)
-        self._check_free_space()
+        self._on_checked = on_checked
+        try:
+            self._begin(entries, spec)
+            self._check_free_space()
+            self._checks_passed()
+        finally:
+            self._on_checked = None  # a refused begin keeps no hold on the caller's objects
         self._write_order = [e.key for e in entries if e.kind != "link"]
         self._writes_done = 0
         self._state = "open"
@@ -332,6 +364,12 @@ class TensorSink(abc.ABC):
         the free-space check of a local target; 0 where not known up front, or where the sink
         checks for itself (cs-h5, before HDF5 writes)."""
         return 0
+
+    def _checks_passed(self) -> None:
+        """Tell the caller of ``begin`` that this sink will refuse nothing more (once)."""
+        on_checked, self._on_checked = self._on_checked, None
+        if on_checked is not None:
+            on_checked()
 
     def _check_free_space(self) -> None:
         # One check for every local output, before its first byte: a job that cannot fit fails at

@@ -126,6 +126,8 @@ class CerebrasSink(TensorSink):
 
     @classmethod
     def check(cls, entries: Any) -> None:
+        entries = list(entries)
+        super().check(entries)
         for e in entries:
             if e.kind == "tensor" and e.dtype not in TENSOR_DTYPES:
                 raise UnsupportedDtype(

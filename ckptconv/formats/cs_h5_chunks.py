@@ -33,7 +33,7 @@ from typing import Any
 import lz4.block
 import numpy as np
 
-from ckptconv.core.errors import CorruptCheckpoint
+from ckptconv.core.errors import CorruptCheckpoint, InvalidRequest
 from ckptconv.storage.digests import WrittenBlocks
 
 LZ4_FILTER_ID = 32004
@@ -191,6 +191,16 @@ def _flat_offset(offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
 # --- writing ----------------------------------------------------------------------------------
 
 
+LZ4_MODES = ("auto", "always", "never")
+
+
+def check_lz4_mode(mode: str) -> str:
+    """``mode`` if it is one of LZ4_MODES (when chunks are compressed), else InvalidRequest."""
+    if mode not in LZ4_MODES:
+        raise InvalidRequest(f"LZ4 mode must be {', '.join(LZ4_MODES)}, not {mode!r}")
+    return mode
+
+
 class ChunkWriter:
     """Frames and writes the chunks of one dataset at a time.
 
@@ -203,9 +213,7 @@ class ChunkWriter:
     def __init__(
         self, threads: int = 2, in_flight: int = 4, mode: str = "auto", written: WrittenBlocks | None = None
     ) -> None:
-        if mode not in ("auto", "always", "never"):
-            raise ValueError(f"LZ4 mode must be auto, always or never, not {mode!r}")
-        self.mode = mode
+        self.mode = check_lz4_mode(mode)
         self.in_flight = max(1, in_flight)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="lz4") if threads else None
         # Every chunk is reported to ``written`` (hashed for the file's block digest) at its address,

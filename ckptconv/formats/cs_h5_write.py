@@ -31,6 +31,7 @@ from ckptconv.formats.cs_h5_chunks import (
     DEFAULT_CHUNK_BYTES,
     LZ4_FILTER_ID,
     ChunkWriter,
+    check_lz4_mode,
     slab_chunk_shape,
     stored_chunks,
 )
@@ -58,7 +59,13 @@ from ckptconv.storage import scratch
 from ckptconv.storage.base import read_blocks, streaming_buffer_bytes
 from ckptconv.storage.digests import WrittenBlocks, new_hash
 from ckptconv.storage.local import check_free_space, ensure_parent_dir, release_reserve, reserve_space
-from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
+from ckptconv.storage.part_upload import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_SIZE,
+    PartUpload,
+    check_part_size,
+    upload_buffer_bytes,
+)
 
 # A chunked dataset's metadata: its object header with attributes (about 1 KiB) and its chunk
 # index's first B-tree node (about 5 KiB for 64 chunks of a 2-d dataset).
@@ -119,7 +126,9 @@ class CsH5Sink(CerebrasSink):
         self.small_tensor_bytes = int(options.get("small_tensor_bytes", 1 << 20))
         self.threads = int(options.get("threads", 2))
         self.fsync = bool(options.get("fsync", True))
-        self.lz4 = str(options.get("lz4", "auto"))
+        self.lz4 = check_lz4_mode(str(options.get("lz4", "auto")))
+        if self.chunking == "contiguous" and storage.local_path(uri) is None:
+            check_part_size(self.part_size)  # refused now, not after the skeleton is built
         self._file: h5py.File | None = None
         self._tmp_path: str | None = None
         self._tmp_dir: str | None = None
@@ -171,7 +180,12 @@ class CsH5Sink(CerebrasSink):
         # crashes the process when the objects of that file are closed or collected (the failed
         # flush leaves HDF5's state broken), so a full disk must be met here, with a typed error.
         check_free_space(os.path.dirname(self._tmp_path), self._output_bound(), self.uri)
+        # _create makes the file and reserves its blocks: fallocate refuses what statvfs does not
+        # show (a quota; another writer filling the disk since the check). Every refusal is behind
+        # us after it; the skeleton (a dataset and its attributes per entry, hundreds of ms for a
+        # large model) overlaps the first reads.
         self._on_h5_thread(self._create, root_spec_text(spec))
+        self._checks_passed()
         if self.chunking == "contiguous":
             self._regions = self._on_h5_thread(self._allocate)
             if self.skeleton:

@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.core.errors import SinkProtocolError, StorageError
+from ckptconv.core.errors import InvalidRequest, SinkProtocolError, StorageError
 from ckptconv.storage.base import ObjectInfo, Storage, Writer
 from ckptconv.storage.digests import BlockHasher
 
@@ -44,6 +44,15 @@ def upload_buffer_bytes(part_size: int = DEFAULT_PART_SIZE, concurrency: int = D
     return (max(1, concurrency) + OPEN_PARTS) * part_size
 
 
+def check_part_size(part_size: int) -> None:
+    """Refuse (InvalidRequest) a part size outside what S3's multipart uploads take."""
+    # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
+    from ckptconv.storage.s3 import MAX_PART_SIZE, MIN_PART_SIZE
+
+    if part_size < MIN_PART_SIZE or part_size > MAX_PART_SIZE:
+        raise InvalidRequest(f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}], not {part_size}")
+
+
 class PartUpload:
     """One positioned multipart upload (see the module docstring). ``write_at`` is called from
     one thread at a time; uploads run on the upload's own pool."""
@@ -60,11 +69,7 @@ class PartUpload:
         metadata: dict[str, str] | None = None,
         block_digest: bool = True,
     ) -> None:
-        # Deferred: the S3 backend imports boto3, loaded only once an S3 upload runs.
-        from ckptconv.storage.s3 import MAX_PART_SIZE, MIN_PART_SIZE
-
-        if part_size < MIN_PART_SIZE or part_size > MAX_PART_SIZE:
-            raise ValueError(f"part_size must be within [{MIN_PART_SIZE}, {MAX_PART_SIZE}], not {part_size}")
+        check_part_size(part_size)
         self.uri = uri
         self.part_size = part_size
         self._storage = storage
