@@ -326,9 +326,14 @@ def test_the_reads_start_while_a_cs_h5_sink_lays_out_its_file(tmp_path: Path, mo
     assert_same(read_all(out), _state_dict())
 
 
+def _output_path(tmp_path: Path, fmt: str) -> Path:
+    """Where a test's output of ``fmt`` goes: a file, a bundle prefix or a directory."""
+    return tmp_path / {"cs-h5": "out.mdl", "tf": "out_tf/model.ckpt"}.get(fmt, "out")
+
+
 def _refuse(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> str:
     """A target that ``fmt``'s sink refuses in ``begin``, by ``case``; returns its URI."""
-    out = tmp_path / {"cs-h5": "out.mdl", "tf": "out_tf/model.ckpt"}.get(fmt, "out")
+    out = _output_path(tmp_path, fmt)
     if case == "exists":
         if fmt == "tf":
             out.parent.mkdir()
@@ -421,7 +426,7 @@ def test_a_key_that_is_not_unicode_text_is_refused_before_the_target_is_touched(
     raw = header.encode() + b" " * (-len(header) % 8)
     src = tmp_path / "model.safetensors"
     src.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
-    out = tmp_path / {"cs-h5": "out.mdl", "tf": "out_tf/model.ckpt"}.get(to, "out")
+    out = _output_path(tmp_path, to)
     with pytest.raises(UnsupportedValue, match="not valid Unicode") as err:
         convert(str(src), str(out), to=to)
     assert err.value.details["key"] == "bad\udcff"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -83,8 +85,6 @@ def test_a_failed_read_is_raised_for_its_own_key_and_stop_returns(source):
 def test_a_thread_that_cannot_start_leaves_no_reader_running(source, monkeypatch):
     # A machine out of threads: the second reader cannot start. The caller never gets the
     # Prefetcher (so could never stop it): the first reader must be stopped before the error.
-    import threading
-
     src, _ = source
     sizes = {e.key: e.nbytes for e in src.entries()}
     start = threading.Thread.start
