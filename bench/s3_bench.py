@@ -31,6 +31,12 @@ ratio measures moving the bytes. ``--size 1GB`` runs in a third of the time.
     python -m bench.s3_bench --read-concurrency 1   # ckptconv's reads one request at a time
     python -m bench.s3_bench --fanout-workers ""    # without the fanned-out cases
     python -m bench.s3_bench --local-fanout-only    # cp and the local fanned-out cases alone (no S3)
+    python -m bench.s3_bench --repeat 3             # three rounds of every case, baselines included
+
+This machine's speed drifts (a VM: the same s5cmd download took 5.2 to 9.5 s within an hour), so
+one round's ratio can move by a third. With ``--repeat N`` every case, baselines included, runs N
+times in rounds, and a case's ratio is the median of its wall over its baseline's wall *in the same
+round*, printed with the smallest and largest of those ratios.
 """
 
 from __future__ import annotations
@@ -40,10 +46,13 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.convert_bench import (
     _numel,
@@ -135,6 +144,65 @@ def start_s3rver(data: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def clear_outputs(s3: str, work: Path, fanout: list[int]) -> None:
+    """Remove what a round wrote (S3 objects under the output prefixes, local outputs), so that the
+    next round writes to free targets, as the first did (ckptconv refuses an existing target)."""
+    if s3:
+        import boto3
+
+        client = boto3.client("s3")
+        for prefix in ("up/", "h5/", "st/", "cs29/", *(f"fan{n}/" for n in fanout)):
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    client.delete_object(Bucket=BUCKET, Key=obj["Key"])
+    for d in (work / "down", work / "copied", *(work / f"fan{n}" for n in fanout)):
+        shutil.rmtree(d, ignore_errors=True)
+    for p in (work / "out.mdl", work / "out.mdl.manifest.json"):
+        p.unlink(missing_ok=True)
+
+
+def baselines(walls: dict[str, float]) -> dict[str, float]:
+    """One round's baseline walls by the name the cases give them."""
+    base = {"cp": walls.get("cp (local -> local)", 0.0)}
+    if "s5cmd upload (local -> s3)" in walls:
+        up, down = walls["s5cmd upload (local -> s3)"], walls["s5cmd download (s3 -> local)"]
+        base.update({"upload": up, "download": down, "down+up": up + down})
+    return base
+
+
+def summarize(rounds: list[list[dict]]) -> list[dict]:
+    """Each case over the rounds: the median wall, the median and range of its ratio to its baseline
+    *of the same round* (a machine whose speed drifts between rounds moves both alike), the largest
+    peak RSS, and the medians of the rest."""
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    out = []
+    for i, first in enumerate(rounds[0]):
+        runs = [r[i] for r in rounds]
+        walls = [r["wall_s"] for r in runs]
+        ratios = []
+        if first["baseline"]:
+            for rnd, run in zip(rounds, runs, strict=True):
+                ratios.append(run["wall_s"] / baselines({x["case"]: x["wall_s"] for x in rnd})[first["baseline"]])
+        out.append(
+            {
+                **first,
+                "wall_s": statistics.median(walls),
+                "runs": walls,
+                "ratios": ratios,
+                "peak_rss": max(r["peak_rss"] for r in runs),
+                "s3_cpu_s": median([r["s3_cpu_s"] for r in runs]),
+                "workers_cpu_s": median([r.get("workers_cpu_s") for r in runs]),
+                "disk_busy": median([r["disk_busy"] for r in runs]),
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="3GB", help="checkpoint size (default 3GB, in 6 shards)")
@@ -147,9 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only cp and the fanned-out cases from local disk to local disk (no S3 server, no s5cmd)",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of every case, baselines included (default 1); medians and ratio ranges are printed",
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = ap.parse_args(argv)
     fanout = [int(n) for n in args.fanout_workers.split(",") if n.strip()]
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
 
     size = parse_size(args.size)
     work = Path(args.workdir).resolve()
@@ -168,159 +244,148 @@ def main(argv: list[str] | None = None) -> int:
     if args.read_concurrency:
         env["CKPTCONV_S3_READ_CONCURRENCY"] = str(args.read_concurrency)
     os.environ.update(env)  # children inherit it
-    s3 = f"s3://{BUCKET}"
+    s3 = f"s3://{BUCKET}" if with_s3 else ""
     exe = [sys.executable, "-m", "ckptconv"]
     s5 = [s5cmd, "--endpoint-url", endpoint]
     down = work / "down"
     copied = work / "copied"
     llama = ["--model", "llama"]
-    try:
-        # (name, command, baseline name or None)
-        cases: list[tuple[str, list[str], str | None]] = [
-            ("s5cmd upload (local -> s3)", [*s5, "cp", f"{src}/*", f"{s3}/src/"], None),
-            ("s5cmd download (s3 -> local)", [*s5, "cp", f"{s3}/src/*", f"{down}/"], None),
-            (
-                "ckptconv s3 st -> local cs-h5",
-                [*exe, "convert", f"{s3}/src/model.safetensors.index.json", str(work / "out.mdl"), "--to", "cs-h5"],
-                "download",
-            ),
-            (
-                "ckptconv local st -> s3 cs-h5",
-                [*exe, "convert", str(src / "model.safetensors.index.json"), f"{s3}/up/model.mdl", "--to", "cs-h5"],
-                "upload",
-            ),
-            (
-                "ckptconv s3 st -> s3 cs-h5",
-                [*exe, "convert", f"{s3}/src/model.safetensors.index.json", f"{s3}/h5/model.mdl", "--to", "cs-h5"],
-                "down+up",
-            ),
-            (
-                "ckptconv s3 cs-h5 -> s3 st",
-                [*exe, "convert", f"{s3}/h5/model.mdl", f"{s3}/st/", "--to", "safetensors", "--shard-size", "512MB"],
-                "down+up",
-            ),
-            (
-                "ckptconv s3 hf -> s3 cs-2.9 (layout)",
-                [*exe, "convert-model", *llama, "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", f"{s3}/src/", f"{s3}/cs29/"],
-                "down+up",
-            ),
-        ]
-        if not with_s3:
-            cases = []
-        dropped = drop_caches()
-        disk = Disk(work)
+    # (name, command, baseline name or None)
+    cases: list[tuple[str, list[str], str | None]] = [
+        ("s5cmd upload (local -> s3)", [*s5, "cp", f"{src}/*", f"{s3}/src/"], None),
+        ("s5cmd download (s3 -> local)", [*s5, "cp", f"{s3}/src/*", f"{down}/"], None),
+        (
+            "ckptconv s3 st -> local cs-h5",
+            [*exe, "convert", f"{s3}/src/model.safetensors.index.json", str(work / "out.mdl"), "--to", "cs-h5"],
+            "download",
+        ),
+        (
+            "ckptconv local st -> s3 cs-h5",
+            [*exe, "convert", str(src / "model.safetensors.index.json"), f"{s3}/up/model.mdl", "--to", "cs-h5"],
+            "upload",
+        ),
+        (
+            "ckptconv s3 st -> s3 cs-h5",
+            [*exe, "convert", f"{s3}/src/model.safetensors.index.json", f"{s3}/h5/model.mdl", "--to", "cs-h5"],
+            "down+up",
+        ),
+        (
+            "ckptconv s3 cs-h5 -> s3 st",
+            [*exe, "convert", f"{s3}/h5/model.mdl", f"{s3}/st/", "--to", "safetensors", "--shard-size", "512MB"],
+            "down+up",
+        ),
+        (
+            "ckptconv s3 hf -> s3 cs-2.9 (layout)",
+            [*exe, "convert-model", *llama, "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", f"{s3}/src/", f"{s3}/cs29/"],
+            "down+up",
+        ),
+    ]
+    if not with_s3:
+        cases = []
+    # The same job fanned out from S3 to S3, then from local disk to local disk, where no S3 server
+    # shares the machine's cores with the workers.
+    fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")] if with_s3 else []
+    fanned.append(("local st -> local cs-h5", str(src / "model.safetensors.index.json"), "cp"))
+    shards = [p for p in files if p.suffix == ".safetensors"]
+    copies = [("cp (local -> local)", ["cp", *map(str, shards), str(copied)])]
+    if direct_io_works(work):
+        copies.append(("disk alone (dd, O_DIRECT)", direct_copy_command(shards, copied / "dd")))
+    dropped = drop_caches()
+    disk = Disk(work)
+
+    def measure(name: str, run: Callable[[], tuple[float, int, float | None]], **facts: Any) -> dict:
+        """One case, page cache dropped first: its wall, peak RSS, the S3 server's and the disk's share."""
+        drop_caches()
+        served = s3_cpu_seconds(server)
+        before = disk.counters()
+        wall, peak, workers_cpu = run()
+        use = disk.since(before)
+        return {
+            "case": name,
+            "wall_s": wall,
+            "peak_rss": peak,
+            "estimate": None,
+            "baseline": None,
+            "s3_cpu_s": s3_cpu_seconds(server) - served if server is not None else None,
+            "workers_cpu_s": workers_cpu,
+            "disk_busy": use.busy(wall) if use else None,
+            **facts,
+        }
+
+    def one_round() -> list[dict]:
         results = []
+        printed = work / "result.json"
         for name, cmd, baseline in cases:
-            printed = work / "result.json"
             if not name.startswith("s5cmd"):
                 cmd = [*cmd, "--no-progress", "--json"]
-            drop_caches()
-            served = s3_cpu_seconds(server)
-            before = disk.counters()
-            wall, peak = run_measured(cmd, stdout=printed)
-            use = disk.since(before)
-            served = s3_cpu_seconds(server) - served
-            estimate = planned_peak(printed) if not name.startswith("s5cmd") else None
-            results.append(
-                {
-                    "case": name,
-                    "wall_s": wall,
-                    "peak_rss": peak,
-                    "estimate": estimate,
-                    "baseline": baseline,
-                    "s3_cpu_s": served,
-                    "disk_busy": use.busy(wall) if use else None,
-                }
-            )
-            print(f"  {name}: {wall:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, estimate)}", flush=True)
-        if fanout:
-            # The same job fanned out from S3 to S3, then from local disk to local disk, where no S3
-            # server shares the machine's cores with the workers.
-            fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")] if with_s3 else []
-            fanned.append(("local st -> local cs-h5", str(src / "model.safetensors.index.json"), "cp"))
-            shards = [p for p in files if p.suffix == ".safetensors"]
-            copied.mkdir(parents=True, exist_ok=True)
-            copies = [("cp (local -> local)", ["cp", *map(str, shards), str(copied)])]
-            if direct_io_works(work):
-                copies.append(("disk alone (dd, O_DIRECT)", direct_copy_command(shards, copied / "dd")))
-            for name, cmd in copies:
-                drop_caches()
-                before = disk.counters()
-                wall, peak = run_measured(cmd)
-                use = disk.since(before)
-                results.append(
-                    {
-                        "case": name,
-                        "wall_s": wall,
-                        "peak_rss": peak,
-                        "estimate": None,
-                        "baseline": None,
-                        "s3_cpu_s": None,  # S3 plays no part
-                        "disk_busy": use.busy(wall) if use else None,
-                    }
+            r = measure(name, lambda cmd=cmd: (*run_measured(cmd, stdout=printed), None), baseline=baseline)
+            r["estimate"] = planned_peak(printed) if not name.startswith("s5cmd") else None
+            results.append(r)
+            peak = r["peak_rss"]
+            print(f"  {name}: {r['wall_s']:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, r['estimate'])}", flush=True)
+        if not fanout:
+            return results
+        copied.mkdir(parents=True, exist_ok=True)
+        for name, cmd in copies:
+            r = measure(name, lambda cmd=cmd: (*run_measured(cmd), None), s3_cpu_s=None)  # S3 plays no part
+            results.append(r)
+            print(f"  {name}: {r['wall_s']:.2f}s", flush=True)
+        for label, source, baseline in fanned:
+            for n in fanout:
+                name = f"fan-out {label}, {n} worker{'s' if n > 1 else ''}"
+                where = f"{s3}/fan{n}" if source.startswith("s3://") else str(work / f"fan{n}")
+                r = measure(
+                    name,
+                    lambda source=source, where=where, n=n: service.run(
+                        source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n
+                    ),
+                    baseline=baseline,
                 )
-                print(f"  {name}: {wall:.2f}s", flush=True)
-            service = Service(work / "service-logs", dict(os.environ))
-            try:
-                for label, source, baseline in fanned:
-                    for n in fanout:
-                        name = f"fan-out {label}, {n} worker{'s' if n > 1 else ''}"
-                        where = f"{s3}/fan{n}" if source.startswith("s3://") else str(work / f"fan{n}")
-                        drop_caches()
-                        served = s3_cpu_seconds(server)
-                        before = disk.counters()
-                        wall, peak, cpu = service.run(
-                            source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n
-                        )
-                        use = disk.since(before)
-                        served = s3_cpu_seconds(server) - served if source.startswith("s3://") else None
-                        results.append(
-                            {
-                                "case": name,
-                                "wall_s": wall,
-                                "peak_rss": peak,
-                                "estimate": None,
-                                "baseline": baseline,
-                                "s3_cpu_s": served,
-                                "workers_cpu_s": cpu,
-                                "disk_busy": use.busy(wall) if use else None,
-                            }
-                        )
-                        print(
-                            f"  {name}: {wall:.2f}s, peak RSS per worker {peak / 1e6:.0f} MB, workers' CPU {cpu:.2f}s",
-                            flush=True,
-                        )
-            finally:
-                service.stop()
+                if not source.startswith("s3://"):
+                    r["s3_cpu_s"] = None
+                results.append(r)
+                print(
+                    f"  {name}: {r['wall_s']:.2f}s, peak RSS per worker {r['peak_rss'] / 1e6:.0f} MB,"
+                    f" workers' CPU {r['workers_cpu_s']:.2f}s",
+                    flush=True,
+                )
+        return results
+
+    rounds: list[list[dict]] = []
+    service = Service(work / "service-logs", dict(os.environ)) if fanout else None
+    try:
+        for i in range(args.repeat):
+            if args.repeat > 1:
+                print(f"round {i + 1} of {args.repeat}", flush=True)
+            clear_outputs(s3, work, fanout)
+            rounds.append(one_round())
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait()
-        shutil.rmtree(work / "s3rver", ignore_errors=True)
-        for d in (down, copied, *(work / f"fan{n}" for n in fanout)):
-            shutil.rmtree(d, ignore_errors=True)
-        for p in (work / "out.mdl", work / "out.mdl.manifest.json"):
-            if p.exists():
-                p.unlink()
-    walls = {r["case"]: r["wall_s"] for r in results}
-    base = {"cp": walls.get("cp (local -> local)", 0.0)}
-    if with_s3:
-        up, dn = walls["s5cmd upload (local -> s3)"], walls["s5cmd download (s3 -> local)"]
-        base.update({"upload": up, "download": dn, "down+up": up + dn})
+        if service is not None:
+            service.stop()
+        try:
+            clear_outputs("", work, fanout)
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait()
+            shutil.rmtree(work / "s3rver", ignore_errors=True)
+    results = summarize(rounds)
     print()
     print(
         f"checkpoint: {total / 1e9:.2f} GB of safetensors in {len(files) - 2} shards, largest tensor"
         f" {largest / 1e6:.0f} MB; S3: {f's3rver {S3RVER_VERSION} on loopback' if with_s3 else 'none'}; page cache"
         f" {'dropped' if dropped else 'NOT dropped (not root)'} before each case"
+        + (f"; medians of {args.repeat} rounds" if args.repeat > 1 else "")
     )
-    alone = walls.get("disk alone (dd, O_DIRECT)")
+    alone = next((r["wall_s"] for r in results if r["case"] == "disk alone (dd, O_DIRECT)"), None)
     print(
-        f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'x disk':>7} {'S3 CPU':>7} {'busy':>5}"
-        f" {'disk':>5} {'peak RSS':>9} {'estimate':>9}"
+        f"{'case':<44} {'wall':>8} {'MB/s':>7} {'baseline':>9} {'ratio':>6} {'range':>11} {'x disk':>7}"
+        f" {'S3 CPU':>7} {'busy':>5} {'disk':>5} {'peak RSS':>9} {'estimate':>9}"
     )
     for r in results:
         b = r["baseline"]
-        ratio = f"{r['wall_s'] / base[b]:>5.2f}x" if b else ""
+        ratio = f"{statistics.median(r['ratios']):>5.2f}x" if b else ""
+        spread = f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}" if b and len(r["ratios"]) > 1 else ""
         x_disk = f"{r['wall_s'] / alone:>6.2f}x" if alone and b == "cp" else ""
         estimate = f"{r['estimate'] / 1e6:>7.0f}MB" if r["estimate"] else ""
         cpu = r["s3_cpu_s"]
@@ -328,15 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         busy = f"{r['disk_busy']:.0%}" if r.get("disk_busy") is not None else ""
         print(
             f"{r['case']:<44} {r['wall_s']:>7.2f}s {total / r['wall_s'] / 1e6:>7.0f} {b or '':>9} {ratio:>6}"
-            f" {x_disk:>7} {served:>14} {busy:>5} {r['peak_rss'] / 1e6:>7.0f}MB"
+            f" {spread:>11} {x_disk:>7} {served:>14} {busy:>5} {r['peak_rss'] / 1e6:>7.0f}MB"
             f" {estimate:>9}{over(r['peak_rss'], r['estimate'])}"
         )
-    print("estimate: the run's own plan (memory.estimated_peak_bytes: twice its largest tensor, its upload buffers")
-    print("on S3 and 300 MiB), printed by each conversion; the fan-out cases print none. S3 CPU: the s3rver")
-    print("process's CPU time during the case; busy: that over the wall time (its JavaScript runs on one thread:")
-    print("near 100%, the server, not its client, sets the pace). x disk: a local case against the disk alone")
-    print("copying the same shards (dd with O_DIRECT, one per shard at once, see bench/disk.py); disk: the share of")
-    print("the wall time the local disk had a request in flight (near 100%: the disk sets the pace)")
+    print("ratio: the median over the rounds of the case's wall over its baseline's in the same round; range:")
+    print("the smallest and largest of those. estimate: the run's own plan (memory.estimated_peak_bytes: twice")
+    print("its largest tensor, its upload buffers on S3 and 300 MiB), printed by each conversion; the fan-out cases")
+    print("print none. S3 CPU: the s3rver process's CPU time during the case; busy: that over the wall time (its")
+    print("JavaScript runs on one thread: near 100%, the server, not its client, sets the pace). x disk: a local")
+    print("case against the disk alone copying the same shards (dd with O_DIRECT, one per shard at once, see")
+    print("bench/disk.py); disk: the share of the wall time the local disk had a request in flight (near 100%:")
+    print("the disk sets the pace)")
     if args.json:
         print(json.dumps({"bytes": total, "largest_tensor": largest, "results": results}, indent=2))
     return 0
