@@ -373,3 +373,41 @@ def test_a_memory_budget_bounds_the_upload_of_an_s3_to_s3_conversion(
     report = json.dumps({"peak_mb": peak / MB, "base_mb": base / MB, "memory": memory})
     assert peak <= int(budget) + _libraries_over_share(base), report
     assert peak - base <= int(budget) - BASE_MEMORY + _NOISE, report
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
+def test_a_cast_peaks_within_the_plans_estimate(tmp_path: Path) -> None:
+    """A cast holds its input and its output at once, beside the value read ahead: three tensors
+    of the largest size, where a copy holds two. The estimate (and a budget's minimum) must count
+    the third, or the peak passes the estimate by a tensor."""
+    from ckptconv.engine.plan import BASE_MEMORY
+
+    src = _sized_checkpoint(tmp_path / "model.safetensors", [48] * 4)
+    out = str(tmp_path / "model.mdl")
+    cast = ("--to", "cs-h5", "--dtype", "bfloat16")
+    lines = _cli("plan", str(src), *cast, prelude="import torch, h5py, hdf5plugin, ckptconv.engine.run")
+    memory, base = json.loads("\n".join(lines[:-1]))["memory"], int(lines[-1])
+    peak = _peak_rss("convert", str(src), out, *cast, "--no-progress")
+    report = json.dumps({"peak_mb": peak / MB, "base_mb": base / MB, "memory": memory})
+    assert peak - base <= memory["estimated_peak_bytes"] - BASE_MEMORY + _NOISE, report
+    assert memory["minimum_bytes"] == 3 * 48 * MB + BASE_MEMORY
+
+
+def test_a_budget_that_fits_a_copy_but_not_a_cast_is_refused_for_the_cast() -> None:
+    from ckptconv.core.errors import InvalidRequest
+    from ckptconv.engine.plan import BASE_MEMORY, identity_plan
+    from ckptconv.formats.base import Entry
+
+    entries = [Entry(f"w{i}", "tensor", "float16", (1024, 1024)) for i in range(3)]  # 2 MiB each
+    sizes = {e.key: 2 * MB for e in entries}
+    copy_minimum = 2 * 2 * MB + BASE_MEMORY
+    copy = identity_plan(entries, None).memory(sizes, copy_minimum)
+    assert copy["minimum_bytes"] == copy_minimum and copy["read_ahead_bytes"] == 2 * MB
+    cast = identity_plan(entries, None, dtype="bfloat16")
+    with pytest.raises(InvalidRequest, match="working set"):
+        cast.memory(sizes, copy_minimum)
+    # Room for the input, the output and one value read ahead: the read-ahead gets what is left.
+    fits = cast.memory(sizes, 3 * 2 * MB + BASE_MEMORY + MB)
+    assert fits["minimum_bytes"] == 3 * 2 * MB + BASE_MEMORY
+    assert fits["read_ahead_bytes"] == 3 * MB
+    assert fits["estimated_peak_bytes"] == 3 * 2 * MB + BASE_MEMORY + MB

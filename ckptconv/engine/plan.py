@@ -123,16 +123,19 @@ class Plan:
     ) -> dict[str, int | None]:
         """How a run of this plan uses memory, within ``budget`` bytes when one is given.
 
-        The executor holds the value being written plus what its reader has read ahead, and the
-        output's writers hold ``writer_buffers`` bytes of upload parts (an S3 target's; see
-        ``TensorSink.remote_buffer_bytes``); the read-ahead gets whatever the budget leaves beyond
-        the largest value, those buffers and a fixed allowance for the interpreter and libraries.
-        A budget below twice the largest value plus the buffers and that allowance cannot be kept:
-        InvalidRequest, naming the minimum.
+        The executor holds what one step works on (its inputs still needed and, for a transform,
+        the output it makes: :meth:`working_bytes`; the largest value for a plan that only copies)
+        plus what its reader has read ahead, and the output's writers hold ``writer_buffers`` bytes
+        of upload parts (an S3 target's; see ``TensorSink.remote_buffer_bytes``); the read-ahead
+        gets whatever the budget leaves beyond the working set, those buffers and a fixed allowance
+        for the interpreter and libraries, and never less than the largest value (which a reader
+        must be able to hold). A budget below that cannot be kept: InvalidRequest, naming the
+        minimum.
         """
         largest = max([*source_sizes.values(), self.largest_entry_bytes()], default=0)
+        working = max(largest, self.working_bytes(source_sizes))
         fixed = BASE_MEMORY + writer_buffers
-        minimum = 2 * largest + fixed
+        minimum = working + largest + fixed
         if budget is None:
             read_ahead = largest
         else:
@@ -140,18 +143,23 @@ class Plan:
             if budget < minimum:
                 raise InvalidRequest(
                     f"a memory budget of {budget} bytes is too small for this checkpoint: it needs at least"
-                    f" {minimum} (twice its largest tensor, {largest} bytes, plus {writer_buffers} bytes of"
-                    f" upload buffers and {BASE_MEMORY} bytes)",
+                    f" {minimum} (its largest step's working set, {working} bytes, its largest tensor read"
+                    f" ahead, {largest} bytes, {writer_buffers} bytes of upload buffers and {BASE_MEMORY} bytes)",
                     hint=f"raise memory_budget to {minimum} or more",
                 )
-            read_ahead = budget - largest - fixed
+            read_ahead = budget - working - fixed
         return {
             "budget_bytes": budget,
             "minimum_bytes": minimum,
             "read_ahead_bytes": read_ahead,
             "writer_buffer_bytes": writer_buffers,
-            "estimated_peak_bytes": read_ahead + largest + fixed,
+            "estimated_peak_bytes": read_ahead + working + fixed,
         }
+
+    def working_bytes(self, source_sizes: dict[str, int]) -> int:
+        """The most bytes one step holds at once: the inputs alive then (those a later step needs
+        too stay alive) and its output's transient (``Transform.peak_factor``), nothing read ahead."""
+        return self.peak_memory_estimate(source_sizes, prefetch=0)
 
     def peak_memory_estimate(self, source_sizes: dict[str, int], prefetch: int = 1) -> int:
         """Bytes of tensor data alive at once during execution (inputs kept + step output + prefetch).
