@@ -172,7 +172,7 @@ def compile_sources() -> None:
 
 def base_memory() -> int:
     """The engine's allowance besides tensor data (``ckptconv.engine.plan.BASE_MEMORY``, 300 MiB):
-    with twice the largest value, the default budget and estimate every run reports. Asked of a
+    with the run's tensor terms, the estimate every run reports (Plan.memory). Asked of a
     child process: importing the engine here would grow this process, whose children's peaks are
     measured."""
     ask = "from ckptconv.engine.plan import BASE_MEMORY; print(BASE_MEMORY)"

@@ -49,6 +49,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +71,17 @@ ROOT = Path(__file__).resolve().parent.parent
 S3RVER_VERSION = "3.7.1"
 BUCKET = "bench"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
+
+LEGEND = (
+    "ratio: the median over the rounds of the case's wall over its baseline's in the same round; range: the"
+    " smallest and largest of those. estimate: the run's own plan (memory.estimated_peak_bytes: twice its largest"
+    " tensor for these copies, its upload buffers on S3 and 300 MiB), printed by each conversion; the fan-out"
+    " cases print none. S3 CPU: the s3rver process's CPU time during the case; busy: that over the wall time (its"
+    " JavaScript runs on one thread: near 100%, the server, not its client, sets the pace). x disk: a local case's"
+    " median wall over the median of the disk alone copying the same shards (dd with O_DIRECT, one per shard at"
+    " once, see bench/disk.py); disk: the share of the wall time the local disk had a request in flight (near"
+    " 100%: the disk sets the pace)."
+)
 
 
 def planned_peak(printed: Path) -> int | None:
@@ -240,135 +252,144 @@ def main(argv: list[str] | None = None) -> int:
     with_s3 = not args.local_fanout_only
     s5cmd = s5cmd_bin() if with_s3 else "s5cmd"
     server, endpoint = start_s3rver(work / "s3rver") if with_s3 else (None, "")
-    env = {**os.environ, **CREDENTIALS, **({"AWS_ENDPOINT_URL": endpoint} if with_s3 else {})}
-    if args.read_concurrency:
-        env["CKPTCONV_S3_READ_CONCURRENCY"] = str(args.read_concurrency)
-    os.environ.update(env)  # children inherit it
-    s3 = f"s3://{BUCKET}" if with_s3 else ""
-    exe = [sys.executable, "-m", "ckptconv"]
-    s5 = [s5cmd, "--endpoint-url", endpoint]
-    down = work / "down"
-    copied = work / "copied"
-    llama = ["--model", "llama"]
-    # (name, command, baseline name or None)
-    cases: list[tuple[str, list[str], str | None]] = [
-        ("s5cmd upload (local -> s3)", [*s5, "cp", f"{src}/*", f"{s3}/src/"], None),
-        ("s5cmd download (s3 -> local)", [*s5, "cp", f"{s3}/src/*", f"{down}/"], None),
-        (
-            "ckptconv s3 st -> local cs-h5",
-            [*exe, "convert", f"{s3}/src/model.safetensors.index.json", str(work / "out.mdl"), "--to", "cs-h5"],
-            "download",
-        ),
-        (
-            "ckptconv local st -> s3 cs-h5",
-            [*exe, "convert", str(src / "model.safetensors.index.json"), f"{s3}/up/model.mdl", "--to", "cs-h5"],
-            "upload",
-        ),
-        (
-            "ckptconv s3 st -> s3 cs-h5",
-            [*exe, "convert", f"{s3}/src/model.safetensors.index.json", f"{s3}/h5/model.mdl", "--to", "cs-h5"],
-            "down+up",
-        ),
-        (
-            "ckptconv s3 cs-h5 -> s3 st",
-            [*exe, "convert", f"{s3}/h5/model.mdl", f"{s3}/st/", "--to", "safetensors", "--shard-size", "512MB"],
-            "down+up",
-        ),
-        (
-            "ckptconv s3 hf -> s3 cs-2.9 (layout)",
-            [*exe, "convert-model", *llama, "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", f"{s3}/src/", f"{s3}/cs29/"],
-            "down+up",
-        ),
-    ]
-    if not with_s3:
-        cases = []
-    # The same job fanned out from S3 to S3, then from local disk to local disk, where no S3 server
-    # shares the machine's cores with the workers.
-    fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")] if with_s3 else []
-    fanned.append(("local st -> local cs-h5", str(src / "model.safetensors.index.json"), "cp"))
-    shards = [p for p in files if p.suffix == ".safetensors"]
-    copies = [("cp (local -> local)", ["cp", *map(str, shards), str(copied)])]
-    if direct_io_works(work):
-        copies.append(("disk alone (dd, O_DIRECT)", direct_copy_command(shards, copied / "dd")))
-    dropped = drop_caches()
-    disk = Disk(work)
-
-    def measure(name: str, run: Callable[[], tuple[float, int, float | None]], **facts: Any) -> dict:
-        """One case, page cache dropped first: its wall, peak RSS, the S3 server's and the disk's share."""
-        drop_caches()
-        served = s3_cpu_seconds(server)
-        before = disk.counters()
-        wall, peak, workers_cpu = run()
-        use = disk.since(before)
-        return {
-            "case": name,
-            "wall_s": wall,
-            "peak_rss": peak,
-            "estimate": None,
-            "baseline": None,
-            "s3_cpu_s": s3_cpu_seconds(server) - served if server is not None else None,
-            "workers_cpu_s": workers_cpu,
-            "disk_busy": use.busy(wall) if use else None,
-            **facts,
-        }
-
-    def one_round() -> list[dict]:
-        results = []
-        printed = work / "result.json"
-        for name, cmd, baseline in cases:
-            if not name.startswith("s5cmd"):
-                cmd = [*cmd, "--no-progress", "--json"]
-            r = measure(name, lambda cmd=cmd: (*run_measured(cmd, stdout=printed), None), baseline=baseline)
-            r["estimate"] = planned_peak(printed) if not name.startswith("s5cmd") else None
-            results.append(r)
-            peak = r["peak_rss"]
-            print(f"  {name}: {r['wall_s']:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, r['estimate'])}", flush=True)
-        if not fanout:
-            return results
-        copied.mkdir(parents=True, exist_ok=True)
-        for name, cmd in copies:
-            r = measure(name, lambda cmd=cmd: (*run_measured(cmd), None), s3_cpu_s=None)  # S3 plays no part
-            results.append(r)
-            print(f"  {name}: {r['wall_s']:.2f}s", flush=True)
-        for label, source, baseline in fanned:
-            for n in fanout:
-                name = f"fan-out {label}, {n} worker{'s' if n > 1 else ''}"
-                where = f"{s3}/fan{n}" if source.startswith("s3://") else str(work / f"fan{n}")
-                r = measure(
-                    name,
-                    lambda source=source, where=where, n=n: service.run(
-                        source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n
-                    ),
-                    baseline=baseline,
-                )
-                if not source.startswith("s3://"):
-                    r["s3_cpu_s"] = None
-                results.append(r)
-                print(
-                    f"  {name}: {r['wall_s']:.2f}s, peak RSS per worker {r['peak_rss'] / 1e6:.0f} MB,"
-                    f" workers' CPU {r['workers_cpu_s']:.2f}s",
-                    flush=True,
-                )
-        return results
-
-    rounds: list[list[dict]] = []
-    service = Service(work / "service-logs", dict(os.environ)) if fanout else None
+    # Started when the first fan-out case runs: the single cases run without its Redis and API.
+    service: Service | None = None
     try:
+        env = {**os.environ, **CREDENTIALS, **({"AWS_ENDPOINT_URL": endpoint} if with_s3 else {})}
+        if args.read_concurrency:
+            env["CKPTCONV_S3_READ_CONCURRENCY"] = str(args.read_concurrency)
+        os.environ.update(env)  # children inherit it
+        s3 = f"s3://{BUCKET}" if with_s3 else ""
+        exe = [sys.executable, "-m", "ckptconv"]
+        s5 = [s5cmd, "--endpoint-url", endpoint]
+        down = work / "down"
+        copied = work / "copied"
+        llama = ["--model", "llama"]
+        # (name, command, baseline name or None)
+        cases: list[tuple[str, list[str], str | None]] = [
+            ("s5cmd upload (local -> s3)", [*s5, "cp", f"{src}/*", f"{s3}/src/"], None),
+            ("s5cmd download (s3 -> local)", [*s5, "cp", f"{s3}/src/*", f"{down}/"], None),
+            (
+                "ckptconv s3 st -> local cs-h5",
+                [*exe, "convert", f"{s3}/src/model.safetensors.index.json", str(work / "out.mdl"), "--to", "cs-h5"],
+                "download",
+            ),
+            (
+                "ckptconv local st -> s3 cs-h5",
+                [*exe, "convert", str(src / "model.safetensors.index.json"), f"{s3}/up/model.mdl", "--to", "cs-h5"],
+                "upload",
+            ),
+            (
+                "ckptconv s3 st -> s3 cs-h5",
+                [*exe, "convert", f"{s3}/src/model.safetensors.index.json", f"{s3}/h5/model.mdl", "--to", "cs-h5"],
+                "down+up",
+            ),
+            (
+                "ckptconv s3 cs-h5 -> s3 st",
+                [*exe, "convert", f"{s3}/h5/model.mdl", f"{s3}/st/", "--to", "safetensors", "--shard-size", "512MB"],
+                "down+up",
+            ),
+            (
+                "ckptconv s3 hf -> s3 cs-2.9 (layout)",
+                [*exe, "convert-model", *llama, "--src-fmt", "hf", "--tgt-fmt", "cs-2.9", f"{s3}/src/", f"{s3}/cs29/"],
+                "down+up",
+            ),
+        ]
+        if not with_s3:
+            cases = []
+        # The same job fanned out from S3 to S3, then from local disk to local disk, where no S3 server
+        # shares the machine's cores with the workers.
+        fanned = [("s3 st -> s3 cs-h5", f"{s3}/src/model.safetensors.index.json", "down+up")] if with_s3 else []
+        fanned.append(("local st -> local cs-h5", str(src / "model.safetensors.index.json"), "cp"))
+        shards = [p for p in files if p.suffix == ".safetensors"]
+        copies = [("cp (local -> local)", ["cp", *map(str, shards), str(copied)])]
+        if direct_io_works(work):
+            copies.append(("disk alone (dd, O_DIRECT)", direct_copy_command(shards, copied / "dd")))
+        dropped = drop_caches()
+        disk = Disk(work)
+
+        def measure(name: str, run: Callable[[], tuple[float, int, float | None]], **facts: Any) -> dict:
+            """One case, page cache dropped first: its wall, peak RSS, the S3 server's and the disk's share."""
+            drop_caches()
+            served = s3_cpu_seconds(server)
+            before = disk.counters()
+            wall, peak, workers_cpu = run()
+            use = disk.since(before)
+            return {
+                "case": name,
+                "wall_s": wall,
+                "peak_rss": peak,
+                "estimate": None,
+                "baseline": None,
+                "s3_cpu_s": s3_cpu_seconds(server) - served if server is not None else None,
+                "workers_cpu_s": workers_cpu,
+                "disk_busy": use.busy(wall) if use else None,
+                **facts,
+            }
+
+        def one_round() -> list[dict]:
+            nonlocal service
+            results = []
+            printed = work / "result.json"
+            for name, cmd, baseline in cases:
+                if not name.startswith("s5cmd"):
+                    cmd = [*cmd, "--no-progress", "--json"]
+                r = measure(name, lambda cmd=cmd: (*run_measured(cmd, stdout=printed), None), baseline=baseline)
+                r["estimate"] = planned_peak(printed) if not name.startswith("s5cmd") else None
+                results.append(r)
+                peak = r["peak_rss"]
+                print(
+                    f"  {name}: {r['wall_s']:.2f}s, peak RSS {peak / 1e6:.0f} MB{over(peak, r['estimate'])}", flush=True
+                )
+            if not fanout:
+                return results
+            copied.mkdir(parents=True, exist_ok=True)
+            for name, cmd in copies:
+                r = measure(name, lambda cmd=cmd: (*run_measured(cmd), None), s3_cpu_s=None)  # S3 plays no part
+                results.append(r)
+                print(f"  {name}: {r['wall_s']:.2f}s", flush=True)
+            if service is None:
+                service = Service(work / "service-logs", dict(os.environ))
+            for label, source, baseline in fanned:
+                for n in fanout:
+                    name = f"fan-out {label}, {n} worker{'s' if n > 1 else ''}"
+                    where = f"{s3}/fan{n}" if source.startswith("s3://") else str(work / f"fan{n}")
+                    r = measure(
+                        name,
+                        lambda source=source, where=where, n=n: service.run(
+                            source, f"{where}/model.mdl", to="cs-h5", workers=n, parallelism=n
+                        ),
+                        baseline=baseline,
+                    )
+                    if not source.startswith("s3://"):
+                        r["s3_cpu_s"] = None
+                    results.append(r)
+                    print(
+                        f"  {name}: {r['wall_s']:.2f}s, peak RSS per worker {r['peak_rss'] / 1e6:.0f} MB,"
+                        f" workers' CPU {r['workers_cpu_s']:.2f}s",
+                        flush=True,
+                    )
+            return results
+
+        rounds: list[list[dict]] = []
         for i in range(args.repeat):
             if args.repeat > 1:
                 print(f"round {i + 1} of {args.repeat}", flush=True)
             clear_outputs(s3, work, fanout)
             rounds.append(one_round())
     finally:
-        if service is not None:
-            service.stop()
+        # Whatever failed above (the service starting, a case), nothing is left running or stored.
         try:
-            clear_outputs("", work, fanout)
+            if service is not None:
+                service.stop()
         finally:
-            if server is not None:
-                server.terminate()
-                server.wait()
-            shutil.rmtree(work / "s3rver", ignore_errors=True)
+            try:
+                clear_outputs("", work, fanout)
+            finally:
+                if server is not None:
+                    server.terminate()
+                    server.wait()
+                shutil.rmtree(work / "s3rver", ignore_errors=True)
     results = summarize(rounds)
     print()
     print(
@@ -396,14 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {spread:>11} {x_disk:>7} {served:>14} {busy:>5} {r['peak_rss'] / 1e6:>7.0f}MB"
             f" {estimate:>9}{over(r['peak_rss'], r['estimate'])}"
         )
-    print("ratio: the median over the rounds of the case's wall over its baseline's in the same round; range:")
-    print("the smallest and largest of those. estimate: the run's own plan (memory.estimated_peak_bytes: twice")
-    print("its largest tensor, its upload buffers on S3 and 300 MiB), printed by each conversion; the fan-out cases")
-    print("print none. S3 CPU: the s3rver process's CPU time during the case; busy: that over the wall time (its")
-    print("JavaScript runs on one thread: near 100%, the server, not its client, sets the pace). x disk: a local")
-    print("case against the disk alone copying the same shards (dd with O_DIRECT, one per shard at once, see")
-    print("bench/disk.py); disk: the share of the wall time the local disk had a request in flight (near 100%:")
-    print("the disk sets the pace)")
+    print(textwrap.fill(LEGEND, 110))
     if args.json:
         print(json.dumps({"bytes": total, "largest_tensor": largest, "results": results}, indent=2))
     return 0

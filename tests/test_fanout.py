@@ -509,6 +509,30 @@ def test_a_memory_budget_holds_for_each_part_of_a_fan_out(tmp_path: Path, s3_buc
     assert manifest["memory"] == tight.memory
 
 
+def test_a_part_reads_ahead_what_its_own_memory_model_leaves(tmp_path: Path, monkeypatch) -> None:
+    """A layout prepared by a version that left the read-ahead more of the budget (it counted less
+    beside it): its parts read ahead what this version's model leaves, and the budget holds."""
+    from ckptconv.engine.fanout import part, run
+
+    source = _source(tmp_path, "safetensors")
+    largest, budget = 5 * MiB, 400 * MiB
+    prepared = run._part_memory
+    monkeypatch.setattr(run, "_part_memory", lambda *a: {**prepared(*a), "read_ahead_bytes": budget})
+    read_aheads: list[int] = []
+    prefetcher = part.Prefetcher
+
+    def spy(src, keys, sizes, read_ahead, **kw):
+        read_aheads.append(read_ahead)
+        return prefetcher(src, keys, sizes, read_ahead, **kw)
+
+    monkeypatch.setattr(part, "Prefetcher", spy)
+    target = str(tmp_path / "out" / "model.mdl")
+    convert(source, target, to="cs-h5", parallelism=2, memory_budget=budget, job_id="old-split")
+    # A copy: the budget less the pool's largest value and the fixed share.
+    assert read_aheads == [budget - largest - (300 << 20)] * 2
+    assert [_sha(target)] == _single(source, str(tmp_path / "one" / "model.mdl"), "cs-h5")
+
+
 def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
     assert resolve_parallelism(5, 1, "safetensors") == 5  # a number is taken as given
     assert resolve_parallelism("auto", 1, "safetensors") == 1
@@ -760,7 +784,7 @@ def test_a_part_writes_a_local_file_in_pieces_of_the_single_worker_size(tmp_path
 
 
 def test_a_part_leaves_no_buffers_in_the_pool_when_it_ends(tmp_path: Path) -> None:
-    # A part's process is counted as a single worker's (twice the largest value): the buffer pool
+    # A part's process is counted as a single worker's (Plan.memory): the buffer pool
     # holds at most the largest value while the part runs, and nothing after it, not up to its
     # default 128 MiB in a worker waiting for its next part.
     from ckptconv.formats.memory import POOL

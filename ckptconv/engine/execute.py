@@ -242,8 +242,8 @@ def execute(
     # A sink that takes tensors as bytes gets them so from a source that can read them so: a
     # conversion that only moves bytes never imports torch. A transform gets torch tensors unless
     # it takes bytes too (``Transform.raw``).
-    # The buffer pool's buffers (idle or partly lent) are the estimate's second largest value
-    # (formats/memory.py).
+    # The buffer pool's buffers (idle or partly lent) are one term of the estimate, the largest
+    # value's size (Plan.memory, formats/memory.py).
     with source.reading_raw(sink.accepts_raw), POOL.capped(max(largest, plan.largest_entry_bytes())):
         cache: dict[str, Any] = {}
         digests: dict[str, str] = {}

@@ -123,19 +123,26 @@ class Plan:
     ) -> dict[str, int | None]:
         """How a run of this plan uses memory, within ``budget`` bytes when one is given.
 
-        The executor holds what one step works on (its inputs still needed and, for a transform,
-        the output it makes: :meth:`working_bytes`; the largest value for a plan that only copies)
-        plus what its reader has read ahead, and the output's writers hold ``writer_buffers`` bytes
-        of upload parts (an S3 target's; see ``TensorSink.remote_buffer_bytes``); the read-ahead
-        gets whatever the budget leaves beyond the working set, those buffers and a fixed allowance
-        for the interpreter and libraries, and never less than the largest value (which a reader
-        must be able to hold). A budget below that cannot be kept: InvalidRequest, naming the
-        minimum.
+        A run holds four things at once (:mod:`ckptconv.engine.prefetch`, ``execute``):
+
+        - source values read and not yet released: at most the read-ahead, which is never less
+          than the largest value, or the inputs one step needs together (a fused QKV) when those
+          are more (:meth:`step_bytes`);
+        - the buffer pool's idle buffers, capped at the largest value (``BufferPool.capped``);
+        - the value a transform makes beside its inputs (a cast, a transpose:
+          ``Transform.peak_factor``; nothing for a copy);
+        - ``writer_buffers`` bytes of upload parts (an S3 target's;
+          ``TensorSink.remote_buffer_bytes``) and a fixed allowance for the interpreter and
+          libraries, :data:`BASE_MEMORY`.
+
+        With a budget the read-ahead gets whatever the other three leave; a budget that leaves it
+        less than the inputs of the largest step cannot be kept: InvalidRequest, naming the minimum.
         """
         largest = max([*source_sizes.values(), self.largest_entry_bytes()], default=0)
-        working = max(largest, self.working_bytes(source_sizes))
-        fixed = BASE_MEMORY + writer_buffers
-        minimum = working + largest + fixed
+        inputs, transient = self.step_bytes(source_sizes)
+        working = max(largest, inputs)
+        others = largest + transient + BASE_MEMORY + writer_buffers
+        minimum = working + others
         if budget is None:
             read_ahead = largest
         else:
@@ -143,46 +150,47 @@ class Plan:
             if budget < minimum:
                 raise InvalidRequest(
                     f"a memory budget of {budget} bytes is too small for this checkpoint: it needs at least"
-                    f" {minimum} (its largest step's working set, {working} bytes, its largest tensor read"
-                    f" ahead, {largest} bytes, {writer_buffers} bytes of upload buffers and {BASE_MEMORY} bytes)",
+                    f" {minimum} (the working set of its largest step, {working + transient} bytes of inputs"
+                    f" and transform output, the buffer pool's {largest} bytes, {writer_buffers} bytes of"
+                    f" upload buffers and {BASE_MEMORY} bytes)",
                     hint=f"raise memory_budget to {minimum} or more",
                 )
-            read_ahead = budget - working - fixed
+            read_ahead = budget - others
         return {
             "budget_bytes": budget,
             "minimum_bytes": minimum,
             "read_ahead_bytes": read_ahead,
             "writer_buffer_bytes": writer_buffers,
-            "estimated_peak_bytes": read_ahead + working + fixed,
+            "estimated_peak_bytes": max(read_ahead, working) + others,
         }
 
-    def working_bytes(self, source_sizes: dict[str, int]) -> int:
-        """The most bytes one step holds at once: the inputs alive then (those a later step needs
-        too stay alive) and its output's transient (``Transform.peak_factor``), nothing read ahead."""
-        return self.peak_memory_estimate(source_sizes, prefetch=0)
+    def step_bytes(self, source_sizes: dict[str, int]) -> tuple[int, int]:
+        """The most source bytes one step holds at once (its inputs and those a later step still
+        needs), and the most a step's transform makes beside them (``Transform.peak_factor`` times
+        its output; nothing for a copy).
 
-    def peak_memory_estimate(self, source_sizes: dict[str, int], prefetch: int = 1) -> int:
-        """Bytes of tensor data alive at once during execution (inputs kept + step output + prefetch).
-
-        Simulates the executor's reference counting over the step order; adds the largest source
-        value once per prefetch slot, since a reader thread may hold the next value in advance.
+        Simulates the executor's reference counting over the step order.
         """
         remaining = self.input_uses()
         alive: dict[str, int] = {}
-        peak = 0
+        inputs = transient = 0
         for s in self.steps:
             for k in s.inputs:
                 alive.setdefault(k, source_sizes.get(k, 0))
-            t = s.transform or IDENTITY
+            inputs = max(inputs, sum(alive.values()))
             out_bytes = s.out.nbytes if s.out.is_data else 0
-            transient = int(out_bytes * t.peak_factor)
-            peak = max(peak, sum(alive.values()) + transient)
+            transient = max(transient, int(out_bytes * (s.transform or IDENTITY).peak_factor))
             for k in s.inputs:
                 remaining[k] -= 1
                 if remaining[k] == 0:
                     alive.pop(k, None)
-        largest_src = max(source_sizes.values(), default=0)
-        return peak + prefetch * largest_src
+        return inputs, transient
+
+    def peak_memory_estimate(self, source_sizes: dict[str, int]) -> int:
+        """Bytes of tensor data alive at once in a run with the default read-ahead (:meth:`memory`
+        without its fixed share)."""
+        m = self.memory(source_sizes)
+        return int(m["estimated_peak_bytes"] or 0) - BASE_MEMORY
 
     def to_dict(self, *, source_sizes: dict[str, int] | None = None, limit: int | None = None) -> dict[str, Any]:
         """JSON-able summary for dry runs."""

@@ -169,8 +169,8 @@ class BufferPool:
         """Hold at most ``nbytes`` (and one block, :data:`PHASE_ALIGN`) while the block runs (the
         smallest cap of the runs in progress).
 
-        A conversion's memory estimate counts twice its largest value: one alive (read ahead or
-        being written) and one more. The pool's buffers are that one more: with tensors of many
+        A conversion's memory estimate (``Plan.memory``) counts the pool's buffers as one largest
+        value beside those alive (read ahead, being transformed or written): with tensors of many
         sizes a pool of ``max_held`` held up to 128 MiB of buffers of other sizes beside the live
         ones, over the estimate of any checkpoint whose largest tensor is smaller; capped at the
         largest value, the pool stays within it. When the last run in progress ends, the pool is

@@ -175,9 +175,9 @@ class ConvertOptions(KindOptions):
     )
     memory_budget: Size | None = Field(
         default=None,
-        description="bytes the conversion may hold (at least twice the largest tensor plus 300 MB for a copy,"
-        " more for a cast or a layout's transforms; the plan reports the minimum); what exceeds that minimum"
-        " reads ahead. Default: the minimum",
+        description="bytes the conversion may hold (at least twice the largest tensor plus 300 MiB for a copy,"
+        " more for a cast or a layout's transforms and for an S3 target's upload buffers; the plan reports"
+        " the minimum); what exceeds that minimum reads ahead. Default: the minimum",
         examples=["4GB"],
     )
 

@@ -97,6 +97,17 @@ def _pieces(f: FileLayout, start: int, end: int) -> Iterator[tuple[int, int, Spa
         pos += n
 
 
+def _read_ahead(plan: Plan, sizes: dict[str, int], memory: dict[str, Any], largest: int) -> int:
+    """The bytes a part reads ahead: its largest value, or what a memory budget leaves (see
+    fanout.run._part_memory). The split is this version's (``Plan.memory``), not the one recorded
+    by the process that prepared the layout: a layout prepared by code that counted less beside the
+    read-ahead would have its parts pass the budget by the difference."""
+    if not memory.get("budget_bytes"):
+        return largest
+    mine = plan.memory(sizes, memory["budget_bytes"], memory.get("writer_buffer_bytes") or 0)
+    return max(largest, int(mine["read_ahead_bytes"] or 0))
+
+
 def run_part(
     plan: Plan,
     src: TensorSource,
@@ -141,13 +152,11 @@ def run_part(
     # is the plan's, as a single worker's: the buffer pool holds no more than the largest value
     # (formats/memory.py), and nothing once the part is done.
     with src.reading_raw(True), POOL.capped(max(largest, plan.largest_entry_bytes())):
-        memory = doc.get("memory") or {}
         fetcher = Prefetcher(
             src,
             keys,
             sizes,
-            # A memory budget lets the part read further ahead (see fanout.run._part_memory).
-            max(largest, memory.get("read_ahead_bytes") or 0) if memory.get("budget_bytes") else largest,
+            _read_ahead(plan, sizes, doc.get("memory") or {}, largest),
             workers=src.read_parallelism,
             on_read=hashed_as_read,
         )
