@@ -22,12 +22,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import h5py
-import hdf5plugin  # noqa: F401 - registers the LZ4 filter (32004) for h5py's own reads
 import numpy as np
 
 from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
 from ckptconv.formats.cs_base import cast_array
-from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, stored_chunks
+from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, register_lz4, stored_chunks
 from ckptconv.formats.cs_h5_heap import HeapCheckingReader
 from ckptconv.formats.cs_serializers import stored_numpy_dtype
 from ckptconv.formats.memory import empty_raw, empty_tensor
@@ -92,6 +91,7 @@ class H5File:
             info = storage.stat(uri)  # ObjectNotFound when absent
         self.info = info
         self.size = info.size
+        register_lz4()
         try:
             if path is not None:
                 self._fd = os.open(path, os.O_RDONLY)

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import h5py
-import hdf5plugin
 import numpy as np
 
 from ckptconv.core.errors import (
@@ -32,6 +31,7 @@ from ckptconv.formats.cs_h5_chunks import (
     LZ4_FILTER_ID,
     ChunkWriter,
     check_lz4_mode,
+    register_lz4,
     slab_chunk_shape,
     stored_chunks,
 )
@@ -495,13 +495,16 @@ class CsH5Sink(CerebrasSink):
 
     def _numeric_dataset(self, entry: Entry, md: dict[str, Any], arr: np.ndarray) -> dict[str, Any]:
         assert self._file is not None and self._writer is not None
+        register_lz4()
         f = self._file
         key = entry.key
         if arr.ndim == 0:  # SCALAR dataspace, contiguous, no filter (§1.8)
             ds = f.create_dataset(key, data=arr)
             self._report_stored(ds)
         elif arr.size == 0 or self.chunking == "h5py" or arr.nbytes <= self.small_tensor_bytes:
-            ds = f.create_dataset(key, shape=arr.shape, dtype=arr.dtype, **hdf5plugin.LZ4())
+            ds = f.create_dataset(
+                key, shape=arr.shape, dtype=arr.dtype, compression=LZ4_FILTER_ID, compression_opts=(0,)
+            )
             if arr.size:
                 ds.write_direct(arr)
                 self._report_stored(ds)
