@@ -75,7 +75,8 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER",
 LEGEND = (
     "ratio: the median over the rounds of the case's wall over its baseline's in the same round; range: the"
     " smallest and largest of those. estimate: the run's own plan (memory.estimated_peak_bytes: twice its largest"
-    " tensor for these copies, its upload buffers on S3 and 300 MiB), printed by each conversion; the fan-out"
+    " tensor, the largest output a layout's transform makes beside its inputs, its upload buffers on S3 and 300"
+    " MiB), printed by each conversion; the fan-out"
     " cases print none. S3 CPU: the s3rver process's CPU time during the case; busy: that over the wall time (its"
     " JavaScript runs on one thread: near 100%, the server, not its client, sets the pace). x disk: a local case's"
     " median wall over the median of the disk alone copying the same shards (dd with O_DIRECT, one per shard at"
@@ -151,9 +152,21 @@ def start_s3rver(data: Path) -> tuple[subprocess.Popen, str]:
                 break
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
+                stop_process(proc)
+                shutil.rmtree(data, ignore_errors=True)
                 raise SystemExit("s3rver did not start") from None
             time.sleep(0.1)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate ``proc``; killed when it has not ended 10 s later."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def clear_outputs(s3: str, work: Path, fanout: list[int]) -> None:
@@ -386,10 +399,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 clear_outputs("", work, fanout)
             finally:
-                if server is not None:
-                    server.terminate()
-                    server.wait()
-                shutil.rmtree(work / "s3rver", ignore_errors=True)
+                try:
+                    if server is not None:
+                        stop_process(server)
+                finally:
+                    shutil.rmtree(work / "s3rver", ignore_errors=True)
     results = summarize(rounds)
     print()
     print(

@@ -533,6 +533,34 @@ def test_a_part_reads_ahead_what_its_own_memory_model_leaves(tmp_path: Path, mon
     assert [_sha(target)] == _single(source, str(tmp_path / "one" / "model.mdl"), "cs-h5")
 
 
+def test_a_layout_whose_budget_this_version_finds_too_small_still_runs(tmp_path: Path, monkeypatch) -> None:
+    """A budget accepted by the version that prepared the layout and below this version's minimum:
+    the parts read ahead their largest value and the job publishes (the manifest's estimate says
+    by how much the run passes the budget), instead of failing a job that was accepted."""
+    from ckptconv.engine.fanout import part, run
+
+    source = _source(tmp_path, "safetensors")
+    largest, budget = 5 * MiB, 301 * MiB
+    prepared = run._part_memory
+    # Recorded as the earlier version would have: the budget, taken.
+    monkeypatch.setattr(
+        run, "_part_memory", lambda plan, src, _, size: {**prepared(plan, src, None, size), "budget_bytes": budget}
+    )
+    read_aheads: list[int] = []
+    prefetcher = part.Prefetcher
+
+    def spy(src, keys, sizes, read_ahead, **kw):
+        read_aheads.append(read_ahead)
+        return prefetcher(src, keys, sizes, read_ahead, **kw)
+
+    monkeypatch.setattr(part, "Prefetcher", spy)
+    target = str(tmp_path / "out" / "model.mdl")
+    result = convert(source, target, to="cs-h5", parallelism=2, memory_budget=budget, job_id="old-budget")
+    assert len(read_aheads) == 2 and max(read_aheads) <= largest
+    assert result.memory["budget_bytes"] == budget < result.memory["estimated_peak_bytes"]
+    assert [_sha(target)] == _single(source, str(tmp_path / "one" / "model.mdl"), "cs-h5")
+
+
 def test_auto_parallelism_picks_parts_by_output_bytes(tmp_path: Path) -> None:
     assert resolve_parallelism(5, 1, "safetensors") == 5  # a number is taken as given
     assert resolve_parallelism("auto", 1, "safetensors") == 1

@@ -32,8 +32,9 @@ class Transform:
     """A named function of a step's input values (in ``Step.inputs`` order) to the output value.
 
     ``name`` and ``params`` describe it in dry runs; ``fn`` must be pure and must not keep
-    references to its inputs. ``peak_factor`` estimates the transient memory of ``fn`` in units of
-    the output size (1.0 for a copy or a contiguous transpose).
+    references to its inputs. ``peak_factor`` estimates the memory ``fn`` holds at its peak beyond
+    its inputs, its output included, in units of the output size (1.0 for a contiguous transpose
+    or a cast; 0.0 for the identity, whose output is its input).
     """
 
     name: str
@@ -119,7 +120,12 @@ class Plan:
         return uses
 
     def memory(
-        self, source_sizes: dict[str, int], budget: int | str | None = None, writer_buffers: int = 0
+        self,
+        source_sizes: dict[str, int],
+        budget: int | str | None = None,
+        writer_buffers: int = 0,
+        *,
+        refuse_short: bool = True,
     ) -> dict[str, int | None]:
         """How a run of this plan uses memory, within ``budget`` bytes when one is given.
 
@@ -136,7 +142,9 @@ class Plan:
           libraries, :data:`BASE_MEMORY`.
 
         With a budget the read-ahead gets whatever the other three leave; a budget that leaves it
-        less than the inputs of the largest step cannot be kept: InvalidRequest, naming the minimum.
+        less than the inputs of the largest step cannot be kept: InvalidRequest, naming the minimum
+        (unless ``refuse_short`` is false: the read-ahead is then the largest value, and the
+        estimate says by how much the run passes the budget).
         """
         largest = max([*source_sizes.values(), self.largest_entry_bytes()], default=0)
         inputs, transient = self.step_bytes(source_sizes)
@@ -147,15 +155,16 @@ class Plan:
             read_ahead = largest
         else:
             budget = parse_size(budget)
-            if budget < minimum:
+            if budget < minimum and refuse_short:
                 raise InvalidRequest(
                     f"a memory budget of {budget} bytes is too small for this checkpoint: it needs at least"
-                    f" {minimum} (the working set of its largest step, {working + transient} bytes of inputs"
-                    f" and transform output, the buffer pool's {largest} bytes, {writer_buffers} bytes of"
-                    f" upload buffers and {BASE_MEMORY} bytes)",
+                    f" {minimum} (a working set of {working + transient} bytes: the most inputs one step"
+                    f" holds, {working}, and the largest output a transform makes beside its inputs,"
+                    f" {transient}; the buffer pool's {largest} bytes, {writer_buffers} bytes of upload"
+                    f" buffers and {BASE_MEMORY} bytes)",
                     hint=f"raise memory_budget to {minimum} or more",
                 )
-            read_ahead = budget - others
+            read_ahead = max(largest, budget - others)
         return {
             "budget_bytes": budget,
             "minimum_bytes": minimum,

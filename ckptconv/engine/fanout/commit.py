@@ -15,7 +15,7 @@ from ckptconv.engine.execute import (
     check_written,
     verify_output,
 )
-from ckptconv.engine.fanout.records import _part_uri, _read_doc, check_layout, check_record
+from ckptconv.engine.fanout.records import _part_uri, _read_doc, check_layout, check_record, layout_memory
 from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.run import fill_digests, stage_manifest
@@ -24,7 +24,7 @@ from ckptconv.formats import source_class
 from ckptconv.formats.base import OutputFile, TensorSource
 from ckptconv.formats.layout import FileLayout
 from ckptconv.storage.digests import BlockHasher
-from ckptconv.storage.part_upload import PartUpload, upload_buffer_bytes
+from ckptconv.storage.part_upload import PartUpload
 
 
 def _commit(
@@ -99,12 +99,8 @@ def _commit(
         finally:
             reopened.close()
     timings["verify_s"] = round(time.monotonic() - t1, 3)
-    # What each part's process was given (fanout.run._part_memory); a layout written before it was
-    # recorded there: the default, with a part upload of the grid's part size on S3.
-    memory = doc.get("memory") or plan.memory(
-        {e.key: e.nbytes for e in src.entries()},
-        writer_buffers=upload_buffer_bytes(doc["part_size"]) if doc["part_size"] else 0,
-    )
+    # What each part's process was given, as the parts split it (records.layout_memory).
+    memory = layout_memory(plan, {e.key: e.nbytes for e in src.entries()}, doc)
     # The processes the run used: with no bytes for parts to write (a cs-s3 output of empty
     # tensors only) there are no parts, and the prepare and the commit did it all, as one.
     facts = {"parallelism": max(1, len(doc["parts"])), **(extras or {})}

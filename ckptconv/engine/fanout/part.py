@@ -19,7 +19,7 @@ from ckptconv.engine.execute import (
     check_written,
     value_digest,
 )
-from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri, check_layout
+from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri, check_layout, layout_memory
 from ckptconv.engine.fanout.runner import PartRunner
 from ckptconv.engine.fanout.tail import HeldUpload, held_uri
 from ckptconv.engine.plan import Plan, Step
@@ -97,15 +97,11 @@ def _pieces(f: FileLayout, start: int, end: int) -> Iterator[tuple[int, int, Spa
         pos += n
 
 
-def _read_ahead(plan: Plan, sizes: dict[str, int], memory: dict[str, Any], largest: int) -> int:
+def _read_ahead(plan: Plan, sizes: dict[str, int], doc: dict[str, Any], largest: int) -> int:
     """The bytes a part reads ahead: its largest value, or what a memory budget leaves (see
-    fanout.run._part_memory). The split is this version's (``Plan.memory``), not the one recorded
-    by the process that prepared the layout: a layout prepared by code that counted less beside the
-    read-ahead would have its parts pass the budget by the difference."""
-    if not memory.get("budget_bytes"):
-        return largest
-    mine = plan.memory(sizes, memory["budget_bytes"], memory.get("writer_buffer_bytes") or 0)
-    return max(largest, int(mine["read_ahead_bytes"] or 0))
+    fanout.run._part_memory and records.layout_memory)."""
+    memory = layout_memory(plan, sizes, doc)
+    return max(largest, int(memory["read_ahead_bytes"] or 0)) if memory.get("budget_bytes") else largest
 
 
 def run_part(
@@ -156,7 +152,7 @@ def run_part(
             src,
             keys,
             sizes,
-            _read_ahead(plan, sizes, doc.get("memory") or {}, largest),
+            _read_ahead(plan, sizes, doc, largest),
             workers=src.read_parallelism,
             on_read=hashed_as_read,
         )

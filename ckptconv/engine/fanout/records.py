@@ -16,9 +16,11 @@ from typing import Any
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import ObjectNotFound, VerificationFailed
 from ckptconv.core.uri import basename, parent
+from ckptconv.engine.plan import Plan
 from ckptconv.engine.staging import _Layout
 from ckptconv.storage.base import Storage
 from ckptconv.storage.digests import ALGORITHM
+from ckptconv.storage.part_upload import upload_buffer_bytes
 
 FANOUT_DIR = ".fanout"
 # The layout document's version, part of the plan key: an earlier fan-out of another version (a
@@ -122,3 +124,17 @@ def check_record(record: dict[str, Any], index: int) -> None:
             f" {record['digest']}, not {ALGORITHM})",
             hint=_OTHER_VERSION_HINT,
         )
+
+
+def layout_memory(plan: Plan, sizes: dict[str, int], doc: dict[str, Any]) -> dict[str, Any]:
+    """How a part of this layout uses memory: the budget and upload buffers the layout recorded
+    (fanout.run._part_memory), split by this version's model (``Plan.memory``). A layout prepared
+    by code that counted less beside the read-ahead would otherwise have its parts pass the
+    budget by the difference; one whose budget this model finds too small runs with the smallest
+    read-ahead and says so in its estimate, rather than failing a job that was accepted."""
+    recorded = doc.get("memory") or {}
+    writer_buffers = recorded.get("writer_buffer_bytes")
+    if writer_buffers is None:  # recorded by none: the default, a part upload of the grid's size on S3
+        writer_buffers = upload_buffer_bytes(doc["part_size"]) if doc.get("part_size") else 0
+    mine = plan.memory(sizes, recorded.get("budget_bytes"), writer_buffers, refuse_short=False)
+    return {**recorded, **mine}

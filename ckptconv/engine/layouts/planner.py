@@ -40,7 +40,7 @@ from ckptconv.engine.layouts.expr import evaluate
 from ckptconv.engine.layouts.registry import Family, Variant, resolve
 from ckptconv.engine.layouts.rules import MappedOutput, map_keys
 from ckptconv.engine.layouts.source_info import detect_release, metadata_params, subtree
-from ckptconv.engine.layouts.steps import Pre, lora_fn, make_step, masked, scale_fn, sideband_sparsity, zero_nans
+from ckptconv.engine.layouts.steps import Pre, lora_pre, make_step, masked, scaled, sideband_sparsity, zero_nans
 from ckptconv.engine.layouts.transforms import TRANSFORMS
 from ckptconv.engine.layouts.views import KeyView, plan_on_source
 from ckptconv.engine.legacy.dataloader_state import add_dataloader_state, has_dataloader_state, state_from_config
@@ -324,7 +324,7 @@ def _plan_export(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
         if site is not None:
             a = link_root(canon_to_src[site.a], by_key)
             b = link_root(canon_to_src[site.b], by_key)
-            base = Pre((src, a, b), lora_fn(site), f"LoRA fold x{site.scale:g}")
+            base = lora_pre((src, a, b), site)
         else:
             base = Pre((src,))
         if canon in masks:
@@ -332,11 +332,7 @@ def _plan_export(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
         f = conf.mup.factor(canon) if conf.mup is not None else None
         if f is None:
             return base
-        scale = scale_fn(f[0])
-        if base.fn is None:
-            return Pre(base.keys, scale, f"{f[1]} x{f[0]:.6g}")
-        inner = base.fn
-        return Pre(base.keys, lambda vs: scale([inner(vs)]), f"{base.label}; {f[1]} x{f[0]:.6g}")
+        return scaled(base, f[0], f"{f[1]} x{f[0]:.6g}")
 
     steps = locality_order(_rule_steps(mapping.outputs, "export", by_key, env, pre_of, lambda k: k))
     if sideband_sparsity(config):
@@ -417,7 +413,7 @@ def _plan_cs_to_cs(ctx: PlanContext) -> tuple[Plan, ConfigResult]:
             continue
         site = lora_by_base.get(inner)
         if site is not None:
-            pre = Pre((e.key, inner_to_src[site.a], inner_to_src[site.b]), lora_fn(site), f"LoRA fold x{site.scale:g}")
+            pre = lora_pre((e.key, inner_to_src[site.a], inner_to_src[site.b]), site)
             steps.append(make_step(new_key, [pre], TRANSFORMS["copy"].to_cs, {}, 0, "lora_fold", 2.0, by_key))
             continue
         steps.append(Step(replace(e, key=new_key), (e.key,)))

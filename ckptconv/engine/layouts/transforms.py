@@ -85,20 +85,36 @@ _same(_copy, "copy", "the tensor unchanged", peak=0.0, same_shape=lambda shape, 
 _same(_transpose, "transpose", "2-D weights transposed (HF Conv1D [in, out] <-> [out, in]); 1-D tensors unchanged")
 
 
-def _float_op(x: Any, op: Callable[[Any], Any]) -> Any:
-    """Arithmetic in float32 (or wider) and back, so bf16/fp16 values are rounded once."""
+def _torch() -> Any:
+    import torch  # deferred: planning a layout needs no torch until a value is computed
+
+    return torch
+
+
+# What _float_op holds besides its input, in units of a 16-bit input's bytes: its float32 copy,
+# worked on in place, and the result cast back. (For wider floats: the result alone, 1.0.)
+FLOAT_OP_PEAK = 3.0
+
+
+def _float_op(x: Any, op: Callable[[Any, Any], Any]) -> Any:
+    """``op(t, out)`` (computing into ``out``) in float32 (or wider) and back, so bf16/fp16 values
+    are rounded once. In place on one float32 copy: a float32 input and a float32 result beside it
+    would hold five times a 16-bit value's bytes, not three (``FLOAT_OP_PEAK``)."""
     import torch
 
     if x.dtype in (torch.float16, torch.bfloat16):
-        return op(x.float()).to(x.dtype)
-    return op(x)
+        wide = x.float()
+        return op(wide, wide).to(x.dtype)
+    if x.is_floating_point():
+        return op(x, torch.empty_like(x))
+    return op(x, None)  # integers: torch's promotion decides the result, as before
 
 
 _register(
     TransformDef(
         "add_one",
-        lambda v, p, i: _float_op(v[0], lambda t: t + 1),
-        lambda v, p, i: _float_op(v[0], lambda t: t - 1),
+        lambda v, p, i: _float_op(v[0], lambda t, out: _torch().add(t, 1, out=out)),
+        lambda v, p, i: _float_op(v[0], lambda t, out: _torch().sub(t, 1, out=out)),
         doc="norm weights stored as w + 1 on the Cerebras side (Gemma multiplies by 1 + w)",
     )
 )
@@ -106,10 +122,10 @@ _register(
 
 def _scale(values: list[Any], p: dict[str, Any], index: int) -> Any:
     factor = float(p["factor"])
-    return _float_op(values[0], lambda t: t * factor)
+    return _float_op(values[0], lambda t, out: _torch().mul(t, factor, out=out))
 
 
-_same(_scale, "scale", "multiply by a constant factor (muP -> sP folding)")
+_same(_scale, "scale", "multiply by a constant factor (muP -> sP folding)", peak=FLOAT_OP_PEAK)
 
 
 def _cls_to_end(values: list[Any], p: dict[str, Any], index: int) -> Any:
@@ -449,7 +465,12 @@ _same(_lm_head, "lm_head", "a headless model's LM head: copy of the anchor if `t
 
 
 def lora_fold(w: Any, a: Any, b: Any, scale: float, *, fan_in_fan_out: bool = False, embedding: bool = False) -> Any:
-    """``W + (B @ A) * scale``; Embedding adapters add the transpose (W is [num, dim], B @ A is [dim, num])."""
+    """``W + (B @ A) * scale``; Embedding adapters add the transpose (W is [num, dim], B @ A is [dim, num]).
+
+    In float32, in place on the update and on one copy of W: at most two float32 arrays of W's
+    shape at once (``LORA_FOLD_BYTES_PER_ELEMENT``), not four."""
+    import torch
+
     delta = b.float() @ a.float()
     if embedding or fan_in_fan_out:
         delta = delta.t()
@@ -458,4 +479,11 @@ def lora_fold(w: Any, a: Any, b: Any, scale: float, *, fan_in_fan_out: bool = Fa
             f"LoRA update of shape {list(delta.shape)} does not fit the weight {list(w.shape)}",
             hint="check lora_params (fan_in_fan_out, r) against the checkpoint",
         )
-    return (w.float() + delta * float(scale)).to(w.dtype)
+    out = w.to(torch.float32, copy=True)
+    out.add_(delta.mul_(float(scale)))
+    del delta
+    return out.to(w.dtype)
+
+
+# What lora_fold holds besides its inputs, per element of W: the update and W's copy, in float32.
+LORA_FOLD_BYTES_PER_ELEMENT = 8
