@@ -1,8 +1,10 @@
-"""Loopback ports for the servers a benchmark starts (S3, Redis, the API)."""
+"""The servers a benchmark (or a test) starts on loopback (S3, Redis, the API): their ports, and
+stopping them."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 
 
@@ -22,3 +24,13 @@ def wait_port(port: int, timeout: float = 60.0) -> None:
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """Terminate ``proc``; killed when it has not ended ``timeout`` seconds later."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

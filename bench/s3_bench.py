@@ -64,7 +64,7 @@ from bench.convert_bench import (
     run_measured,
 )
 from bench.disk import Disk, direct_copy_command, direct_io_works, drop_caches
-from bench.ports import free_port
+from bench.ports import free_port, stop_process
 from bench.workers import Service, cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,16 +157,6 @@ def start_s3rver(data: Path) -> tuple[subprocess.Popen, str]:
                 raise SystemExit("s3rver did not start") from None
             time.sleep(0.1)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """Terminate ``proc``; killed when it has not ended 10 s later."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def clear_outputs(s3: str, work: Path, fanout: list[int]) -> None:

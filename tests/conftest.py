@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port, wait_port
+from bench.ports import free_port, stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -195,10 +195,5 @@ def api_process(
                 time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()

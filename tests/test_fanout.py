@@ -509,15 +509,10 @@ def test_a_memory_budget_holds_for_each_part_of_a_fan_out(tmp_path: Path, s3_buc
     assert manifest["memory"] == tight.memory
 
 
-def test_a_part_reads_ahead_what_its_own_memory_model_leaves(tmp_path: Path, monkeypatch) -> None:
-    """A layout prepared by a version that left the read-ahead more of the budget (it counted less
-    beside it): its parts read ahead what this version's model leaves, and the budget holds."""
-    from ckptconv.engine.fanout import part, run
+def _read_aheads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The read-ahead every part's Prefetcher is given, as the parts start."""
+    from ckptconv.engine.fanout import part
 
-    source = _source(tmp_path, "safetensors")
-    largest, budget = 5 * MiB, 400 * MiB
-    prepared = run._part_memory
-    monkeypatch.setattr(run, "_part_memory", lambda *a: {**prepared(*a), "read_ahead_bytes": budget})
     read_aheads: list[int] = []
     prefetcher = part.Prefetcher
 
@@ -526,6 +521,19 @@ def test_a_part_reads_ahead_what_its_own_memory_model_leaves(tmp_path: Path, mon
         return prefetcher(src, keys, sizes, read_ahead, **kw)
 
     monkeypatch.setattr(part, "Prefetcher", spy)
+    return read_aheads
+
+
+def test_a_part_reads_ahead_what_its_own_memory_model_leaves(tmp_path: Path, monkeypatch) -> None:
+    """A layout prepared by a version that left the read-ahead more of the budget (it counted less
+    beside it): its parts read ahead what this version's model leaves, and the budget holds."""
+    from ckptconv.engine.fanout import run
+
+    source = _source(tmp_path, "safetensors")
+    largest, budget = 5 * MiB, 400 * MiB
+    prepared = run._part_memory
+    monkeypatch.setattr(run, "_part_memory", lambda *a: {**prepared(*a), "read_ahead_bytes": budget})
+    read_aheads = _read_aheads(monkeypatch)
     target = str(tmp_path / "out" / "model.mdl")
     convert(source, target, to="cs-h5", parallelism=2, memory_budget=budget, job_id="old-split")
     # A copy: the budget less the pool's largest value and the fixed share.
@@ -537,7 +545,7 @@ def test_a_layout_whose_budget_this_version_finds_too_small_still_runs(tmp_path:
     """A budget accepted by the version that prepared the layout and below this version's minimum:
     the parts read ahead their largest value and the job publishes (the manifest's estimate says
     by how much the run passes the budget), instead of failing a job that was accepted."""
-    from ckptconv.engine.fanout import part, run
+    from ckptconv.engine.fanout import run
 
     source = _source(tmp_path, "safetensors")
     largest, budget = 5 * MiB, 301 * MiB
@@ -546,14 +554,7 @@ def test_a_layout_whose_budget_this_version_finds_too_small_still_runs(tmp_path:
     monkeypatch.setattr(
         run, "_part_memory", lambda plan, src, _, size: {**prepared(plan, src, None, size), "budget_bytes": budget}
     )
-    read_aheads: list[int] = []
-    prefetcher = part.Prefetcher
-
-    def spy(src, keys, sizes, read_ahead, **kw):
-        read_aheads.append(read_ahead)
-        return prefetcher(src, keys, sizes, read_ahead, **kw)
-
-    monkeypatch.setattr(part, "Prefetcher", spy)
+    read_aheads = _read_aheads(monkeypatch)
     target = str(tmp_path / "out" / "model.mdl")
     result = convert(source, target, to="cs-h5", parallelism=2, memory_budget=budget, job_id="old-budget")
     assert len(read_aheads) == 2 and max(read_aheads) <= largest
