@@ -160,8 +160,8 @@ class Plan:
                     f"a memory budget of {budget} bytes is too small for this checkpoint: it needs at least"
                     f" {minimum} (a working set of {working + transient} bytes: the most inputs one step"
                     f" holds, {working}, and the largest output a transform makes beside its inputs,"
-                    f" {transient}; the buffer pool's {largest} bytes, {writer_buffers} bytes of upload"
-                    f" buffers and {BASE_MEMORY} bytes)",
+                    f" {transient}; the buffer pool's {largest} bytes, {writer_buffers} bytes of the"
+                    f" writers' buffers (upload parts, direct-write staging) and {BASE_MEMORY} bytes)",
                     hint=f"raise memory_budget to {minimum} or more",
                 )
             read_ahead = max(largest, budget - others)

@@ -63,6 +63,7 @@ from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
 from ckptconv.storage.digests import hex_digest, stored_digests
+from ckptconv.storage.direct_io import staging_bytes
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,11 @@ def jsonable(obj: Any) -> Any:
 
 
 def writer_buffer_bytes(target: str, to: str, sink_options: dict[str, Any] | None = None) -> int:
-    """Bytes the writers of format ``to`` hold in upload buffers at ``target``: their parts when
-    it is on S3, nothing for a local file (the page cache is not the process's memory)."""
+    """Bytes the writers of format ``to`` hold in buffers at ``target``: their upload parts when it
+    is on S3; for a local file (or no target yet), the staging buffers of its direct writes (the
+    page cache is not the process's memory, those buffers are)."""
     if not target or not is_s3(target):
-        return 0
+        return staging_bytes()
     return sink_class(to).remote_buffer_bytes(given_options(sink_options))
 
 

@@ -176,8 +176,9 @@ class ConvertOptions(KindOptions):
     memory_budget: Size | None = Field(
         default=None,
         description="bytes the conversion may hold (at least twice the largest tensor plus 300 MiB for a copy,"
-        " more for a cast or a layout's transforms and for an S3 target's upload buffers; the plan reports"
-        " the minimum); what exceeds that minimum reads ahead. Default: the minimum",
+        " more for a cast or a layout's transforms, plus the writers' buffers: 48 MiB for a local file,"
+        " the upload parts on S3; the plan reports the minimum); what exceeds that minimum reads ahead."
+        " Default: the minimum",
         examples=["4GB"],
     )
 

@@ -68,6 +68,12 @@ def direct_io_enabled() -> bool:
     return os.environ.get("CKPTCONV_DIRECT_IO", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def staging_bytes() -> int:
+    """What the staging buffers of a file being filled hold once they have all been used (a
+    conversion's memory estimate counts them for a local output), none without direct writes."""
+    return BATCHES * BATCH_BYTES if direct_io_enabled() else 0
+
+
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """``os.pwrite`` until every byte of ``data`` is at ``offset`` onwards."""
     view = data.cast("B") if data.format != "B" or data.ndim != 1 else data

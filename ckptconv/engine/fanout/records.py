@@ -20,6 +20,7 @@ from ckptconv.engine.plan import Plan
 from ckptconv.engine.staging import _Layout
 from ckptconv.storage.base import Storage
 from ckptconv.storage.digests import ALGORITHM
+from ckptconv.storage.direct_io import staging_bytes
 from ckptconv.storage.part_upload import upload_buffer_bytes
 
 FANOUT_DIR = ".fanout"
@@ -134,7 +135,7 @@ def layout_memory(plan: Plan, sizes: dict[str, int], doc: dict[str, Any]) -> dic
     read-ahead and says so in its estimate, rather than failing a job that was accepted."""
     recorded = doc.get("memory") or {}
     writer_buffers = recorded.get("writer_buffer_bytes")
-    if writer_buffers is None:  # recorded by none: the default, a part upload of the grid's size on S3
-        writer_buffers = upload_buffer_bytes(doc["part_size"]) if doc.get("part_size") else 0
+    if writer_buffers is None:  # recorded by none: a part upload of the grid's size on S3, or staging
+        writer_buffers = upload_buffer_bytes(doc["part_size"]) if doc.get("part_size") else staging_bytes()
     mine = plan.memory(sizes, recorded.get("budget_bytes"), writer_buffers, refuse_short=False)
     return {**recorded, **mine}

@@ -37,6 +37,7 @@ from ckptconv.formats.base import OutputFile, TensorSource, given_options
 from ckptconv.formats.detect import check_format
 from ckptconv.storage import open_storage
 from ckptconv.storage.digests import hex_digest
+from ckptconv.storage.direct_io import staging_bytes
 from ckptconv.storage.part_upload import DEFAULT_PART_SIZE, PartUpload, upload_buffer_bytes
 
 log = logging.getLogger(__name__)
@@ -141,8 +142,8 @@ def _part_memory(
     """What each part's process may hold (``plan.memory``): the budget sizes every part's read-ahead
     and, on S3, how many upload parts of the grid it sends at once (fewer when the budget is tight)."""
     sizes = {e.key: e.nbytes for e in src.entries()}
-    if part_size is None:
-        return plan.memory(sizes, budget)
+    if part_size is None:  # local files: the staging buffers of the part's direct writes
+        return plan.memory(sizes, budget, staging_bytes())
     return fit_uploads(plan, sizes, budget, lambda concurrency: upload_buffer_bytes(part_size, concurrency))[0]
 
 
