@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from ckptconv.engine.prefetch import Prefetcher
+from ckptconv.formats.detect import open_source
 from ckptconv.formats.safetensors_fmt import SafetensorsSource
 from ckptconv.storage import open_storage
+from ckptconv.storage.s3 import S3Storage
 
 KiB = 1 << 10
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -101,3 +106,38 @@ def test_a_thread_that_cannot_start_leaves_no_reader_running(source, monkeypatch
         Prefetcher(src, [f"w{i:02d}" for i in range(20)], sizes, 64 * KiB, workers=3)
     assert len(started) == 1
     assert not started[0].is_alive()
+
+
+def test_a_reader_waiting_for_the_budget_holds_no_value_it_handed_over(source):
+    """The pool lends a value's memory again once the value is gone: a reader thread that kept
+    its last value while it waited would keep the memory of a value the consumer let go."""
+    src, _ = source
+    keys = [f"w{i:02d}" for i in range(4)]
+    sizes = {e.key: e.nbytes for e in src.entries()}
+    fetcher = Prefetcher(src, keys, sizes, 64 * KiB, workers=2, on_read=lambda k, v: None)
+    try:
+        value = fetcher.get("w00")  # not released: the readers wait for the budget
+        gone = weakref.ref(value)
+        del value
+        deadline = time.monotonic() + 5
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gone() is None
+    finally:
+        fetcher.stop()
+
+
+def test_neighbours_read_together_stay_within_the_budget(s3_bucket, s3_server, monkeypatch):
+    """Over S3 a reader claims the values that follow its next one in the file with it, as long as
+    the budget allows each: never more bytes than the budget outstanding."""
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
+    g = torch.Generator().manual_seed(6)
+    tensors = {f"w{i:02d}": torch.randn(512, 512, generator=g) for i in range(10)}  # 1 MiB each
+    uri = f"s3://{s3_bucket}/ahead/model.safetensors"
+    S3Storage(s3_server).write_bytes(uri, save(tensors))
+    with open_source(uri, "safetensors") as src:
+        sizes = {e.key: e.nbytes for e in src.entries()}
+        assert src.extent("w01").offset == src.extent("w00").offset + MiB
+        fetcher = Prefetcher(src, sorted(tensors), sizes, 3 * MiB, workers=4)
+        consume(fetcher, sorted(tensors), tensors)
+    assert fetcher.peak_outstanding == 3 * MiB

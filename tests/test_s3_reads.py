@@ -134,19 +134,69 @@ def test_values_are_read_in_parallel_with_at_most_the_read_concurrency_in_flight
     s3_bucket, s3_server, monkeypatch, tmp_path
 ):
     g = torch.Generator().manual_seed(2)
-    tensors = {f"w{i:02d}": torch.randn(64, 1024, generator=g) for i in range(24)}  # 256 KiB each
+    # 6 MiB each: no two are read together (neighbours are, below two 5 MiB parts).
+    tensors = {f"w{i:02d}": torch.randn(1536, 1024, generator=g) for i in range(8)}
     uri = f"s3://{s3_bucket}/par/model.safetensors"
     S3Storage(s3_server).write_bytes(uri, save(tensors))
     monkeypatch.setenv("CKPTCONV_S3_READ_CONCURRENCY", "3")
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
     # Every request held 50 ms: GETs sent together are seen in flight together.
     with FaultProxy(s3_server, delay_s=0.05) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         # A budget that lets many values be read ahead: the concurrency is what bounds them.
-        result = convert(uri, str(tmp_path / "out.safetensors"), to="safetensors", memory_budget="360MiB")
+        result = convert(uri, str(tmp_path / "out.safetensors"), to="safetensors", memory_budget="420MiB")
         assert result.verify["ok"]
         assert 2 <= proxy.peak_in_flight <= 3
     with open_source(str(tmp_path / "out.safetensors"), "safetensors") as out:
         assert all(torch.equal(out.read(k), t) for k, t in tensors.items())
+
+
+def _data_gets(seen: list[tuple[str, str]], start: int) -> list[tuple[int, int]]:
+    """(offset, length) of the ranged GETs at or past ``start`` (a safetensors file's data)."""
+    spans = []
+    for method, r in seen:
+        if method == "GET" and r:
+            first, last = (int(x) for x in r.removeprefix("bytes=").split("-"))
+            if first >= start:
+                spans.append((first - start, last - first + 1))
+    return sorted(spans)
+
+
+def test_neighbouring_values_are_read_with_one_get_below_two_parts(s3_bucket, recorded, monkeypatch, tmp_path):
+    proxy, seen = recorded
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"w{i:02d}": torch.randn(512, 512, generator=g) for i in range(12)}  # 1 MiB each
+    tensors["norm"] = torch.randn(7, generator=g)  # 28 bytes, first in the file (by name)
+    blob = save(tensors)
+    uri = f"s3://{s3_bucket}/join/model.safetensors"
+    S3Storage(proxy.url).write_bytes(uri, blob)
+    data_start = 8 + int.from_bytes(blob[:8], "little")
+    seen.clear()
+    result = convert(uri, str(tmp_path / "out.safetensors"), to="safetensors", memory_budget="400MiB")
+    assert result.verify["ok"]
+    with open_source(str(tmp_path / "out.safetensors"), "safetensors") as out:
+        assert all(torch.equal(out.read(k), t) for k, t in tensors.items())
+    # In file order, as long as they stay below 10 MiB together: the norm and nine values, then three.
+    assert _data_gets(seen, data_start) == [(0, 9 * MiB + 28), (9 * MiB + 28, 3 * MiB)]
+
+
+def test_a_read_of_neighbours_survives_resets_inside_any_of_them(s3_bucket, s3_server, monkeypatch):
+    monkeypatch.setenv("CKPTCONV_STORAGE_BACKOFF_S", "0.01")
+    uri = f"s3://{s3_bucket}/blob"
+    data = os.urandom(3 * MiB)
+    S3Storage(s3_server).write_bytes(uri, data)
+    lengths = [3, MiB // 2 + 5, 1, MiB, 0, MiB // 2 - 100, 17]
+    with FaultProxy(s3_server, rate=0.3, faults=("reset", "error", "nolength"), seed=7) as proxy:
+        storage = S3Storage(proxy.url, max_attempts=30)
+        assert storage.coalesce_bytes == 32 * MiB
+        for offset in (0, 11, MiB):
+            bufs = [memoryview(bytearray(n)) for n in lengths]
+            storage.read_scattered(uri, offset, bufs)
+            assert b"".join(bytes(b) for b in bufs) == data[offset : offset + sum(lengths)]
+        assert sum(proxy.counts.values()) >= 1
+        with pytest.raises(CorruptCheckpoint, match="ends"):
+            storage.read_scattered(uri, 2 * MiB, [memoryview(bytearray(MiB)), memoryview(bytearray(10))])
 
 
 def test_parallel_parts_survive_resets(s3_bucket, s3_server, monkeypatch):

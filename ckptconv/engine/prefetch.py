@@ -12,6 +12,12 @@ both bounded: a value larger than the budget is read alone (nothing else claimed
 the consumer is waiting for is always read (it may hold several inputs of one step, a fused QKV,
 that together exceed the budget). Values alive at once are thus at most ``max(budget, largest)``
 plus what the consumer holds.
+
+Neighbours: where the source's storage reads neighbouring byte ranges of a file as one request
+(``Storage.coalesce_bytes``: object storage, where a request costs as much as a megabyte of its
+body), a worker claims with the next value the ones after it in the order that follow it in the
+same file (``TensorSource.extent``), while together they stay below that size and within the
+budget, and reads them together (``TensorSource.read_neighbours``), each into its own memory.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ class Prefetcher:
         self.sizes = sizes
         self.budget = budget
         self.on_read = on_read
+        # Where each value lies, for reading neighbours together; None where the storage reads
+        # every range on its own.
+        self._join_below = source.storage.coalesce_bytes
+        self._extents = [source.extent(k) for k in keys] if self._join_below else None
         self.outstanding = 0  # bytes claimed by workers and not yet released by the consumer
         self.peak_outstanding = 0
         self._claimed = 0  # keys handed to workers so far (claims go in order)
@@ -66,40 +76,68 @@ class Prefetcher:
             self.stop()  # no thread left reading for a Prefetcher its caller never got
             raise
 
-    def _claim(self) -> int | None:
-        """The index of the next key to read, once the budget allows it; None when done."""
+    def _claim(self) -> list[int] | None:
+        """The indices of the next keys to read together (one, or neighbours in one file), once
+        the budget allows them; None when done."""
         with self._cond:
             while True:
                 if self._stopped or self._failed or self._claimed >= len(self.keys):
                     return None
                 i = self._claimed
-                size = self.sizes.get(self.keys[i], 0)
-                if self.outstanding == 0 or self.outstanding + size <= self.budget or self._asked > i:
-                    self._claimed += 1
-                    self.outstanding += size
-                    self.peak_outstanding = max(self.peak_outstanding, self.outstanding)
-                    return i
+                if self.outstanding == 0 or self._allows(i):
+                    claimed = [i]
+                    together = self._take(i)
+                    while self._joins(claimed[-1], together) and self._allows(self._claimed):
+                        claimed.append(self._claimed)
+                        together += self._take(self._claimed)
+                    return claimed
                 self._cond.wait()
 
+    def _take(self, i: int) -> int:
+        """Claim key ``i``, the next in order: its bytes (returned) join the outstanding ones."""
+        size = self.sizes.get(self.keys[i], 0)
+        self._claimed = i + 1
+        self.outstanding += size
+        self.peak_outstanding = max(self.peak_outstanding, self.outstanding)
+        return size
+
+    def _allows(self, i: int) -> bool:
+        """Key ``i`` may be claimed now: its bytes fit in the budget, or the consumer waits for it."""
+        return self.outstanding + self.sizes.get(self.keys[i], 0) <= self.budget or self._asked > i
+
+    def _joins(self, last: int, together: int) -> bool:
+        """The key after ``last`` follows it in the same file, and with the ``together`` bytes
+        claimed with it stays below the size the storage reads as one request."""
+        j = last + 1
+        if self._extents is None or j >= len(self.keys):
+            return False
+        before, after = self._extents[last], self._extents[j]
+        if before is None or after is None or after.uri != before.uri or after.offset != before.offset + before.nbytes:
+            return False
+        return together + after.nbytes < self._join_below
+
     def _run(self) -> None:
-        while (i := self._claim()) is not None:
-            key = self.keys[i]
+        while (claimed := self._claim()) is not None:
+            keys = [self.keys[i] for i in claimed]
+            values: list[Any] = [None] * len(keys)
             value: Any = None
             error: BaseException | None = None
             try:
-                value = self.source.read(key)
+                values = self.source.read_neighbours(keys) if len(keys) > 1 else [self.source.read(keys[0])]
                 if self.on_read is not None:
-                    self.on_read(key, value)
+                    for key, value in zip(keys, values, strict=True):
+                        self.on_read(key, value)
             except BaseException as e:  # handed to the consumer, which re-raises it
                 error = e
             with self._cond:
                 if self._stopped:
                     return
-                self._results[i] = (value, error)
+                for i, value in zip(claimed, values, strict=True):
+                    self._results[i] = (value, error)
                 self._failed = self._failed or error is not None
                 self._cond.notify_all()
-            # Held here, a value the consumer released would stay alive while this thread waits.
-            value = error = None
+            # Held here, values the consumer released would stay alive while this thread waits.
+            values, value, error = [], None, None
 
     def get(self, expected: str) -> Any:
         """The next value in order, which must be ``expected``'s; re-raises its read's error."""

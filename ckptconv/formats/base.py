@@ -36,7 +36,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ckptconv.core.dtypes import dtype_size
 from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype, UnsupportedValue
@@ -192,6 +192,14 @@ class OutputFile:
         return cls(entry["uri"], entry["size"], digest, entry.get("role", "data"), blocks, algorithm)
 
 
+class Extent(NamedTuple):
+    """A value's bytes in a file: ``nbytes`` from ``offset`` of ``uri``."""
+
+    uri: str
+    offset: int
+    nbytes: int
+
+
 class TensorSource(abc.ABC):
     """Reads one checkpoint, one value at a time. See the module docstring for the contract."""
 
@@ -236,6 +244,16 @@ class TensorSource(abc.ABC):
     @abc.abstractmethod
     def read(self, key: str) -> Any:
         """Materialize one value (see the module docstring for value types)."""
+
+    def extent(self, key: str) -> Extent | None:
+        """Where ``key``'s value lies as plain bytes in a file whose storage reads neighbouring
+        ranges together (``Storage.coalesce_bytes``); None: the value is read on its own."""
+        return None
+
+    def read_neighbours(self, keys: list[str]) -> list[Any]:
+        """The values of ``keys``, whose extents follow each other in one file in this order: read
+        together (one request on object storage), each in its own memory. By default one by one."""
+        return [self.read(k) for k in keys]
 
     def files(self) -> list[str]:
         """URIs of every file this checkpoint consists of (shards, index), for provenance."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.errors import KeyCollision, UnsupportedValue
 from ckptconv.formats import sink_class
-from ckptconv.formats.base import Entry, OutputFile, TensorSink, TensorSource
+from ckptconv.formats.base import Entry, Extent, OutputFile, TensorSink, TensorSource
 from ckptconv.formats.detect import open_source
 
 if TYPE_CHECKING:
@@ -51,6 +51,15 @@ class ComponentSource(TensorSource):
 
     def read(self, key: str) -> Any:
         return self.parts[self._component[key]].read(key)
+
+    def extent(self, key: str) -> Extent | None:
+        return self.parts[self._component[key]].extent(key)
+
+    def read_neighbours(self, keys: list[str]) -> list[Any]:
+        names = {self._component[k] for k in keys}
+        if len(names) > 1:  # not neighbours: neighbours lie in one file, so in one component
+            return super().read_neighbours(keys)
+        return self.parts[names.pop()].read_neighbours(keys)
 
     def component_of(self, key: str) -> str:
         """The sub-directory ``key`` was read from."""

@@ -44,6 +44,7 @@ from ckptconv.core.errors import (
 from ckptconv.core.uri import basename
 from ckptconv.formats.base import (
     Entry,
+    Extent,
     OpaqueObject,
     OutputFile,
     TensorSource,
@@ -67,6 +68,7 @@ from ckptconv.formats.sharding import (
     find_checkpoint,
     index_bytes,
     read_index,
+    read_neighbours,
     read_slot,
     tensor_view,
 )
@@ -299,6 +301,18 @@ class SafetensorsSource(TensorSource):
         if entry.kind == "object":
             return OpaqueObject(tensor_view(t).tobytes(), encoding=entry.meta["encoding"])
         return t
+
+    def extent(self, key: str) -> Extent | None:
+        entry = self._by_key.get(key)
+        if entry is None or entry.kind != "tensor" or not self.storage.coalesce_bytes:
+            return None
+        slot = self._slots[key]
+        return Extent(slot.uri, slot.offset, slot.nbytes)
+
+    def read_neighbours(self, keys: list[str]) -> list[Any]:
+        if not all(self.extent(k) for k in keys):
+            return super().read_neighbours(keys)
+        return read_neighbours(self.storage, [self._slots[k] for k in keys], raw=self.raw_reads)
 
     def close(self) -> None:
         self._local.close()

@@ -504,23 +504,7 @@ def read_slot(storage: Storage, slot: Slot, fd: int | None = None, *, raw: bool 
     (ckptconv.storage.direct_reads); otherwise one ranged read of exactly the tensor's bytes.
     ``raw``: a :class:`RawTensor`, without torch.
     """
-    # Deferred: the buffer pool imports numpy, and the API process imports this module (shard
-    # sizes) without numpy or torch.
-    from ckptconv.formats.memory import empty_raw, empty_tensor
-
-    t: torch.Tensor | RawTensor
-    # In phase with the file: its whole blocks are read around the page cache (storage.direct_reads).
-    phase = slot.offset % ALIGN
-    if raw:
-        t = empty_raw(slot.shape, slot.dtype, phase=phase)
-        buf = memoryview(t.data).cast("B")
-    else:
-        import torch
-
-        t = empty_tensor(slot.shape, slot.dtype, phase=phase)
-        if slot.nbytes == 0:
-            return t
-        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    t, buf = _slot_buffer(slot, raw)
     if slot.nbytes == 0:
         return t
     if fd is not None:
@@ -529,6 +513,39 @@ def read_slot(storage: Storage, slot: Slot, fd: int | None = None, *, raw: bool 
     else:
         storage.read_into(slot.uri, slot.offset, buf)
     return t
+
+
+def read_neighbours(storage: Storage, slots: list[Slot], *, raw: bool = False) -> list[torch.Tensor | RawTensor]:
+    """Tensors whose byte ranges follow each other in one file, each in its own memory, read as
+    the storage reads neighbouring ranges (``Storage.read_scattered``: one request on S3)."""
+    first = slots[0]
+    end = first.offset
+    for slot in slots:
+        if slot.uri != first.uri or slot.offset != end:
+            raise ValueError(f"{slot.uri} at {slot.offset} does not follow the range before it (ends at {end})")
+        end += slot.nbytes
+    made = [_slot_buffer(slot, raw) for slot in slots]
+    storage.read_scattered(first.uri, first.offset, [buf for _, buf in made])
+    return [t for t, _ in made]
+
+
+def _slot_buffer(slot: Slot, raw: bool) -> tuple[torch.Tensor | RawTensor, memoryview]:
+    """An empty tensor for ``slot`` and its bytes as a writable view."""
+    # Deferred: the buffer pool imports numpy, and the API process imports this module (shard
+    # sizes) without numpy or torch.
+    from ckptconv.formats.memory import empty_raw, empty_tensor
+
+    # In phase with the file: its whole blocks are read around the page cache (storage.direct_reads).
+    phase = slot.offset % ALIGN
+    if raw:
+        t = empty_raw(slot.shape, slot.dtype, phase=phase)
+        return t, memoryview(t.data).cast("B")
+    import torch
+
+    tensor = empty_tensor(slot.shape, slot.dtype, phase=phase)
+    if slot.nbytes == 0:
+        return tensor, memoryview(bytearray())
+    return tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class LocalFiles:

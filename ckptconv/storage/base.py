@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import collections
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +108,10 @@ class Storage(abc.ABC):
     #: Positioned reads worth having in flight at once (readers of independent byte ranges use
     #: up to this many threads).
     read_parallelism: int = 2
+    #: Bytes below which neighbouring ranges of one object are worth reading as one request
+    #: (:meth:`read_scattered`): where every request costs more than its bytes, as on an object
+    #: store. 0: each range is read on its own (a local file's reads cost a system call each).
+    coalesce_bytes: int = 0
 
     @abc.abstractmethod
     def stat(self, uri: str) -> ObjectInfo:
@@ -129,6 +133,14 @@ class Storage(abc.ABC):
 
         Backends override it to read straight into ``buf`` without an intermediate copy."""
         memoryview(buf).cast("B")[:] = self.read_range(uri, offset, len(memoryview(buf).cast("B")))
+
+    def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` in turn with the bytes from ``offset``: the first ``len(bufs[0])`` bytes go to
+        ``bufs[0]``, the next to ``bufs[1]``... (neighbouring values of one file, each into its own
+        memory). Backends where a request costs more than its bytes read them with one request."""
+        for buf in bufs:
+            self.read_into(uri, offset, buf)
+            offset += len(buf)
 
     def read_all(self, uri: str) -> bytes:
         """A whole (small) object: indexes, configs, headers. Never used for tensor data.

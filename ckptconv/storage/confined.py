@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -79,6 +79,7 @@ class ConfinedStorage(Storage):
         self.scopes = scopes
         self.scheme = inner.scheme
         self.read_parallelism = inner.read_parallelism
+        self.coalesce_bytes = inner.coalesce_bytes
 
     def _check(self, uri: str) -> None:
         self.scopes.check(uri)
@@ -98,6 +99,10 @@ class ConfinedStorage(Storage):
     def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
         self._check(uri)
         self.inner.read_into(uri, offset, buf)
+
+    def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview]) -> None:
+        self._check(uri)
+        self.inner.read_scattered(uri, offset, bufs)
 
     def read_all(self, uri: str) -> bytes:
         self._check(uri)

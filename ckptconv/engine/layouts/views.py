@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptconv.core.errors import ConversionError
 from ckptconv.engine.plan import Plan
-from ckptconv.formats.base import Entry, TensorSource
+from ckptconv.formats.base import Entry, Extent, TensorSource
 from ckptconv.formats.tree import TreeSpec, flat_dict_spec
 
 
@@ -61,6 +61,12 @@ class KeyView(TensorSource):
 
     def read(self, key: str) -> Any:
         return self.inner.read(self.original[key])
+
+    def extent(self, key: str) -> Extent | None:
+        return self.inner.extent(self.original[key])
+
+    def read_neighbours(self, keys: list[str]) -> list[Any]:
+        return self.inner.read_neighbours([self.original[k] for k in keys])
 
     def files(self) -> list[str]:
         return self.inner.files()

@@ -6,7 +6,7 @@ import contextlib
 import io
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -193,6 +193,13 @@ class S3Storage(Storage):
         bucket, key = self._object(uri)
         self._gets.read_into(uri, bucket, key, offset, view)
 
+    def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` in turn from ``offset``: one GET below :attr:`coalesce_bytes` together."""
+        views = [memoryview(b).cast("B") for b in bufs]
+        check_range(uri, offset, sum(len(v) for v in views))
+        bucket, key = self._object(uri)
+        self._gets.read_scattered(uri, bucket, key, offset, views)
+
     def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
         """One ranged GET: the bytes and, from its headers, the object's size, ETag and mtime (no HEAD)."""
         check_range(uri, offset, length)
@@ -220,6 +227,11 @@ class S3Storage(Storage):
     @property
     def read_part_size(self) -> int:
         return self._gets.part_size
+
+    @property
+    def coalesce_bytes(self) -> int:  # type: ignore[override]
+        # What one GET reads of a single range (RangedGets.read_into): below two parts.
+        return 2 * self._gets.part_size
 
     def open_reader(self, uri: str) -> BinaryIO:
         """A buffered, seekable reader over ranged GETs (read-ahead of 8 MiB per request)."""
