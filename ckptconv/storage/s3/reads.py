@@ -22,7 +22,7 @@ Neighbouring values of one object are read with one GET when together they are s
 parts (:meth:`RangedGets.read_scattered`): its body is read into each value's buffer in turn. A
 server spends about as much on a request as on a megabyte of its body (s3rver: ~4 ms of CPU per
 GET), and a Llama layer holds four norms and projections of a few KB to 8 MB beside three of 23 MB:
-one GET each made 304 GETs of a 3 GB checkpoint, four per layer make 142.
+one GET each made 296 GETs of a 3 GB checkpoint, four per layer make 147.
 
 Settings (environment, read when the storage is built): ``CKPTCONV_S3_READ_CONCURRENCY``
 (default 8) GETs in flight, each of at most ``CKPTCONV_S3_READ_PART_SIZE`` bytes (default 16 MiB).
