@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from ckptconv.core.errors import CorruptCheckpoint
 from ckptconv.engine.prefetch import Prefetcher
 from ckptconv.formats.detect import open_source
 from ckptconv.formats.safetensors_fmt import SafetensorsSource
@@ -138,6 +139,37 @@ def test_neighbours_read_together_stay_within_the_budget(s3_bucket, s3_server, m
     with open_source(uri, "safetensors") as src:
         sizes = {e.key: e.nbytes for e in src.entries()}
         assert src.extent("w01").offset == src.extent("w00").offset + MiB
-        fetcher = Prefetcher(src, sorted(tensors), sizes, 3 * MiB, workers=4)
+        groups: list[list[str]] = []
+        read_neighbours = src.read_neighbours
+        monkeypatch.setattr(src, "read_neighbours", lambda keys: groups.append(keys) or read_neighbours(keys))
+        fetcher = Prefetcher(src, sorted(tensors), sizes, 3 * MiB, workers=1)
         consume(fetcher, sorted(tensors), tensors)
     assert fetcher.peak_outstanding == 3 * MiB
+    assert groups[0] == ["w00", "w01", "w02"] and all(len(group) <= 3 for group in groups)
+
+
+def test_a_failed_read_of_neighbours_fails_for_the_value_it_is_about(s3_bucket, s3_server, monkeypatch):
+    """The object turns out shorter than its header says, inside its fourth value: the three before
+    it are handed over, and the error is the fourth's own, as without joined reads."""
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"w{i:02d}": torch.randn(512, 512, generator=g) for i in range(6)}  # 1 MiB each
+    blob = save(tensors)
+    data_start = 8 + int.from_bytes(blob[:8], "little")
+    uri = f"s3://{s3_bucket}/short/model.safetensors"
+    storage = S3Storage(s3_server)
+    storage.write_bytes(uri, blob)
+    keys = sorted(tensors)
+    with open_source(uri, "safetensors") as src:
+        sizes = {e.key: e.nbytes for e in src.entries()}
+        storage.delete(uri)
+        storage.write_bytes(uri, blob[: data_start + 3 * MiB + MiB // 2])
+        fetcher = Prefetcher(src, keys, sizes, 8 * MiB, workers=1)
+        try:
+            for key in keys[:3]:
+                assert torch.equal(fetcher.get(key), tensors[key])
+                fetcher.release(key)
+            with pytest.raises(CorruptCheckpoint, match=f"wanted {MiB} bytes at offset {data_start + 3 * MiB}"):
+                fetcher.get("w03")
+        finally:
+            fetcher.stop()

@@ -17,7 +17,9 @@ Neighbours: where the source's storage reads neighbouring byte ranges of a file 
 (``Storage.coalesce_bytes``: object storage, where a request costs as much as a megabyte of its
 body), a worker claims with the next value the ones after it in the order that follow it in the
 same file (``TensorSource.extent``), while together they stay below that size and within the
-budget, and reads them together (``TensorSource.read_neighbours``), each into its own memory.
+budget, and reads them together (``TensorSource.read_neighbours``), each into its own memory. When
+that read fails they are read again one by one: the error is the one of the value it is about, as
+without joins, and the values before it are handed over.
 """
 
 from __future__ import annotations
@@ -118,26 +120,47 @@ class Prefetcher:
 
     def _run(self) -> None:
         while (claimed := self._claim()) is not None:
-            keys = [self.keys[i] for i in claimed]
-            values: list[Any] = [None] * len(keys)
-            value: Any = None
-            error: BaseException | None = None
-            try:
-                values = self.source.read_neighbours(keys) if len(keys) > 1 else [self.source.read(keys[0])]
-                if self.on_read is not None:
-                    for key, value in zip(keys, values, strict=True):
-                        self.on_read(key, value)
-            except BaseException as e:  # handed to the consumer, which re-raises it
-                error = e
+            read = self._read([self.keys[i] for i in claimed])
             with self._cond:
                 if self._stopped:
                     return
-                for i, value in zip(claimed, values, strict=True):
-                    self._results[i] = (value, error)
-                self._failed = self._failed or error is not None
+                self._results.update(zip(claimed, read, strict=True))
+                self._failed = self._failed or any(error is not None for _, error in read)
                 self._cond.notify_all()
             # Held here, values the consumer released would stay alive while this thread waits.
-            values, value, error = [], None, None
+            read = []
+
+    def _read(self, keys: list[str]) -> list[tuple[Any, BaseException | None]]:
+        """(value, error) of each key: neighbours together, one by one when that fails, so that
+        an error is raised for the value it is about and the values before it are handed over."""
+        if len(keys) > 1:
+            try:
+                values = self.source.read_neighbours(keys)
+                if len(values) != len(keys):
+                    raise RuntimeError(
+                        f"{type(self.source).__name__}.read_neighbours gave {len(values)} values for {len(keys)}"
+                    )
+                for key, value in zip(keys, values, strict=True):
+                    self._on_read(key, value)
+                return [(value, None) for value in values]
+            except Exception:  # read again one by one, below
+                pass
+            except BaseException as e:  # not a failed read: nothing to read again
+                return [(None, e)] * len(keys)
+        read: list[tuple[Any, BaseException | None]] = []
+        for key in keys:
+            try:
+                value = self.source.read(key)
+                self._on_read(key, value)
+                read.append((value, None))
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                read += [(None, e)] * (len(keys) - len(read))
+                break
+        return read
+
+    def _on_read(self, key: str, value: Any) -> None:
+        if self.on_read is not None:
+            self.on_read(key, value)
 
     def get(self, expected: str) -> Any:
         """The next value in order, which must be ``expected``'s; re-raises its read's error."""

@@ -137,7 +137,8 @@ class Storage(abc.ABC):
     def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview]) -> None:
         """Fill ``bufs`` in turn with the bytes from ``offset``: the first ``len(bufs[0])`` bytes go to
         ``bufs[0]``, the next to ``bufs[1]``... (neighbouring values of one file, each into its own
-        memory). Backends where a request costs more than its bytes read them with one request."""
+        memory). Backends where a request costs more than its bytes read them with one request
+        when together they are shorter than :attr:`coalesce_bytes`."""
         for buf in bufs:
             self.read_into(uri, offset, buf)
             offset += len(buf)

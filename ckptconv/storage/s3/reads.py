@@ -21,8 +21,10 @@ of one timeout.
 Neighbouring values of one object are read with one GET when together they are shorter than two
 parts (:meth:`RangedGets.read_scattered`): its body is read into each value's buffer in turn. A
 server spends about as much on a request as on a megabyte of its body (s3rver: ~4 ms of CPU per
-GET), and a Llama layer holds four norms and projections of a few KB to 8 MB beside three of 23 MB:
-one GET each made 296 GETs of a 3 GB checkpoint, four per layer make 147.
+GET), and a Llama layer holds six tensors of 4 KB to 8 MB (two norms, four attention projections)
+beside three of 23 MB: a 3 GB checkpoint took 296 GETs (one per tensor, the two 125 MiB ones in
+parts), 147 with neighbours joined (in the order the run reads them and within its read-ahead:
+``ckptconv.engine.prefetch``).
 
 Settings (environment, read when the storage is built): ``CKPTCONV_S3_READ_CONCURRENCY``
 (default 8) GETs in flight, each of at most ``CKPTCONV_S3_READ_PART_SIZE`` bytes (default 16 MiB).
