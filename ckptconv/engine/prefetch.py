@@ -136,13 +136,10 @@ class Prefetcher:
         if len(keys) > 1:
             try:
                 values = self.source.read_neighbours(keys)
-                if len(values) != len(keys):
-                    raise RuntimeError(
-                        f"{type(self.source).__name__}.read_neighbours gave {len(values)} values for {len(keys)}"
-                    )
-                for key, value in zip(keys, values, strict=True):
-                    self._on_read(key, value)
-                return [(value, None) for value in values]
+                if len(values) == len(keys):  # otherwise a broken source: read again one by one
+                    for key, value in zip(keys, values, strict=True):
+                        self._on_read(key, value)
+                    return [(value, None) for value in values]
             except Exception:  # read again one by one, below
                 pass
             except BaseException as e:  # not a failed read: nothing to read again

@@ -94,7 +94,7 @@ class RangedGets:
         if length == 0:
             return
         part = self.part_size
-        if self.concurrency <= 1 or length < 2 * part:
+        if self.concurrency <= 1 or length < self.one_get_below:
             self._read_part(uri, bucket, key, offset, Segments([view]))
             return
         futures = [
@@ -115,13 +115,18 @@ class RangedGets:
         """Fill ``views`` in turn with the object's bytes from ``offset``: one GET when they are
         shorter than two parts together, as a single range is (each on its own otherwise)."""
         segments = Segments(views)
-        if len(segments) < 2 * self.part_size:
+        if len(segments) < self.one_get_below:
             if len(segments):
                 self._read_part(uri, bucket, key, offset, segments)
             return
         for view in views:
             self.read_into(uri, bucket, key, offset, view)
             offset += len(view)
+
+    @property
+    def one_get_below(self) -> int:
+        """Bytes below which a range is read with one GET: parts pay only from two on."""
+        return 2 * self.part_size
 
     def read_head(self, uri: str, bucket: str, key: str, offset: int, length: int) -> tuple[bytes, dict[str, Any]]:
         """Up to ``length`` bytes from ``offset`` with one GET (in a slot, retried), and the response's

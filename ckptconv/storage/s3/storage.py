@@ -230,8 +230,8 @@ class S3Storage(Storage):
 
     @property
     def coalesce_bytes(self) -> int:  # type: ignore[override]
-        # What one GET reads of a single range (RangedGets.read_into): below two parts.
-        return 2 * self._gets.part_size
+        # What one GET reads of a single range (RangedGets.read_into).
+        return self._gets.one_get_below
 
     def open_reader(self, uri: str) -> BinaryIO:
         """A buffered, seekable reader over ranged GETs (read-ahead of 8 MiB per request)."""
