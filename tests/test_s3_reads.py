@@ -3,6 +3,7 @@ proxy of bench/faultproxy.py; never a throughput measurement: see bench/s3_bench
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from urllib.parse import urlsplit
@@ -367,6 +368,48 @@ def test_a_contiguous_h5_dataset_is_one_ranged_read_of_its_bytes(s3_bucket, reco
     assert len(ranges) == 1, seen
     first, last = (int(x) for x in ranges[0].removeprefix("bytes=").split("-"))
     assert last - first + 1 == tensors["layers.2.w"].nbytes
+
+
+def test_neighbouring_h5_datasets_are_read_with_one_get_below_two_parts(s3_bucket, recorded, monkeypatch, tmp_path):
+    _, seen = recorded
+    monkeypatch.setenv("CKPTCONV_S3_READ_PART_SIZE", "5MiB")
+    g = torch.Generator().manual_seed(6)
+    tensors = {f"layers.{i:02d}.w": torch.randn(512, 512, generator=g) for i in range(12)}  # 1 MiB each
+    tensors["layers.05.mask"] = torch.rand(33, generator=g) > 0.5  # small bools among them
+    tensors["layers.06.b"] = torch.randn(300, generator=g).to(torch.bfloat16)
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(save(tensors))
+    uri = f"s3://{s3_bucket}/joined/model.mdl"
+    convert(str(st), uri, to="cs-h5")  # S3 targets: contiguous datasets, back to back
+    with open_source(uri, "cs-h5") as src:
+        extents = sorted(src.extent(k) for k in tensors)
+        assert all(b.offset == a.offset + a.nbytes for a, b in itertools.pairwise(extents))
+    start, total = extents[0].offset, sum(e.nbytes for e in extents)
+    seen.clear()
+    result = convert(uri, str(tmp_path / "back.safetensors"), to="safetensors", memory_budget="400MiB")
+    assert result.verify["ok"]
+    with open_source(str(tmp_path / "back.safetensors"), "safetensors") as out:
+        assert all(torch.equal(out.read(k), t) for k, t in tensors.items())
+    # The data area in two GETs (together below 10 MiB, then the rest), each value in its own memory.
+    gets = [g for g in _data_gets(seen, start) if g[0] + g[1] <= total]  # not metadata blocks past it
+    assert len(gets) == 2 and gets[0][0] == 0 and sum(n for _, n in gets) == total, gets
+
+
+def test_a_bool_h5_dataset_read_with_its_neighbours_is_checked(s3_bucket, s3_server, tmp_path):
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(save({"a": torch.ones(4), "mask": torch.tensor([True, False, True])}))
+    uri = f"s3://{s3_bucket}/joined/bools.mdl"
+    convert(str(st), uri, to="cs-h5")
+    storage = S3Storage(s3_server)
+    with open_source(uri, "cs-h5") as src:
+        mask = src.extent("mask")
+        assert mask is not None and src.extent("a").offset + 16 == mask.offset
+    blob = bytearray(storage.read_range(uri, 0, storage.stat(uri).size))
+    blob[mask.offset + 1] = 7  # neither 0 nor 1
+    damaged = f"s3://{s3_bucket}/joined/damaged.mdl"
+    storage.write_bytes(damaged, bytes(blob))
+    with open_source(damaged, "cs-h5") as src, pytest.raises(CorruptCheckpoint, match="'mask': bool dataset"):
+        src.read_neighbours(["a", "mask"])
 
 
 def test_a_body_slower_than_a_slice_per_read_timeout_is_still_read(s3_bucket, s3_server, monkeypatch):

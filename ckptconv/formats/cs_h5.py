@@ -38,11 +38,12 @@ import h5py
 import numpy as np
 
 from ckptconv.core.errors import (
+    CkptconvError,
     CorruptCheckpoint,
     IncompleteCheckpoint,
     UnsupportedDtype,
 )
-from ckptconv.formats.base import Entry, TensorSource
+from ckptconv.formats.base import Entry, Extent, TensorSource
 from ckptconv.formats.cs_base import decode_object, follow_link, full_tensor, release_of
 from ckptconv.formats.cs_h5_io import H5File, damaged_as_corrupt
 from ckptconv.formats.cs_h5_legacy import LegacyLayout
@@ -119,6 +120,7 @@ class CsH5Source(TensorSource):
             self.h5.close()
             raise
         self._by_key = {e.key: e for e in self._entries}
+        self._extents: dict[str, Extent | None] = {}
 
     # --- metadata ------------------------------------------------------------------------------
 
@@ -253,6 +255,40 @@ class CsH5Source(TensorSource):
         if entry.kind == "object":
             return decode_object(self.h5.read_opaque(ds, "__BYTES__", entry.key))
         raise CorruptCheckpoint(f"{entry.key!r}: unknown entry kind {entry.kind}")
+
+    def extent(self, key: str) -> Extent | None:
+        if self._legacy is not None or not self.storage.coalesce_bytes:
+            return None
+        found = self._extents.get(key, False)
+        if found is False:
+            found = self._extents[key] = self._find_extent(key)
+        return found
+
+    def _find_extent(self, key: str) -> Extent | None:
+        entry = self._by_key.get(key)
+        if entry is None:
+            return None
+        try:
+            entry = follow_link(self._by_key, entry)
+            if entry.kind != "tensor" or "fill_value" in entry.meta:
+                return None
+            ds = self.h5.dataset(entry.meta["dataset"], entry.key)
+        except CkptconvError:  # reported by read(), for the key it is about
+            return None
+        span = self.h5.tensor_extent(ds, entry.dtype, entry.shape)
+        return None if span is None else Extent(self.uri, *span)
+
+    def read_neighbours(self, keys: list[str]) -> list[Any]:
+        extents = [self.extent(k) for k in keys]
+        if not all(extents):
+            return super().read_neighbours(keys)
+        tensors = []
+        for key in keys:
+            entry = follow_link(self._by_key, self._by_key[key])
+            ds = self.h5.dataset(entry.meta["dataset"], entry.key)
+            tensors.append((ds, entry.key, entry.dtype, entry.shape))
+        with damaged_as_corrupt(self.uri):
+            return self.h5.read_tensors_at(extents[0].offset, tensors, raw=self.raw_reads)
 
     def close(self) -> None:
         self.h5.close()

@@ -224,6 +224,60 @@ class H5File:
         """The dataset as a CPU tensor of ``dtype``: bf16 from its int16 bits, other types value-cast (§1.7).
 
         ``raw``: a :class:`RawTensor` when the stored bits are the tensor's (no cast), without torch."""
+        value, dest = self._tensor_buffer(ds, key, dtype, shape, raw=raw)
+        if dest is None:
+            # Castable on-disk type (e.g. float64 values for a float32 tensor): numpy value cast, as cstorch does.
+            return cast_array(self._read_array(ds, key), dtype)
+        if dest.size:
+            self._read_into(ds, dest, key)
+            _check_bools(dest, dtype, key)
+        return value
+
+    def tensor_extent(self, ds: h5py.Dataset, dtype: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """(offset, nbytes) of a dataset whose stored bytes are exactly the tensor's, as one
+        allocated, unfiltered range inside the file; None otherwise (it is then read on its own,
+        by :meth:`read_tensor`, which also reports what is wrong with it)."""
+        try:
+            on_disk = ds.dtype
+            if ds.shape is None or tuple(ds.shape) != tuple(shape) or not _same_bits(on_disk, dtype):
+                return None
+            if ds.chunks is not None or ds.id.get_create_plist().get_nfilters():
+                return None
+            offset = ds.id.get_offset()
+            nbytes = ds.id.get_storage_size()
+        except H5_ERRORS:
+            return None
+        if offset is None or nbytes != math.prod(shape) * on_disk.itemsize or nbytes == 0:
+            return None
+        if offset < 0 or offset + nbytes > self.size:
+            return None
+        return int(offset), int(nbytes)
+
+    def read_tensors_at(
+        self, offset: int, tensors: list[tuple[h5py.Dataset, str, str, tuple[int, ...]]], *, raw: bool = False
+    ) -> list[torch.Tensor | RawTensor]:
+        """Tensors ``(dataset, key, dtype, shape)`` whose :meth:`tensor_extent` ranges follow each
+        other from ``offset``: read as the storage reads neighbouring ranges (one request on
+        object storage), each into its own memory."""
+        made, end = [], offset
+        for ds, key, dtype, shape in tensors:
+            extent = self.tensor_extent(ds, dtype, shape)
+            if extent is None or extent[0] != end:
+                raise ValueError(f"{key!r} is not stored right after the range before it (ends at {end})")
+            value, dest = self._tensor_buffer(ds, key, dtype, shape, raw=raw)
+            assert dest is not None  # a tensor extent has the tensor's own bits
+            made.append((value, dest, dtype, key))
+            end += extent[1]
+        self.storage.read_scattered(self.uri, offset, [memoryview(d.reshape(-1).view(np.uint8)) for _, d, _, _ in made])
+        for _, dest, dtype, key in made:
+            _check_bools(dest, dtype, key)
+        return [value for value, _, _, _ in made]
+
+    def _tensor_buffer(
+        self, ds: h5py.Dataset, key: str, dtype: str, shape: tuple[int, ...], *, raw: bool
+    ) -> tuple[Any, np.ndarray | None]:
+        """An empty tensor for the dataset and the array its stored bits are read into, which is
+        the tensor's memory; None for that array when the stored type needs a value cast."""
         if ds.shape is None:
             raise CorruptCheckpoint(f"{key!r}: dataset holds no array (empty dataspace)")
         if tuple(ds.shape) != tuple(shape):
@@ -233,31 +287,17 @@ class H5File:
         on_disk = ds.dtype
         if on_disk.kind not in "biufc":
             raise CorruptCheckpoint(f"{key!r}: dataset has non-numeric type {on_disk} for a {dtype} tensor")
-        want = np.dtype(stored_numpy_dtype(dtype))
-        bits_ok = on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))
+        if not _same_bits(on_disk, dtype):
+            return None, None
         phase = _phase(ds)
-        if bits_ok and on_disk.byteorder in "=<|" and raw:
+        if raw:
             r = empty_raw(shape, dtype, phase=phase)
-            if r.nbytes:
-                dest = r.data.view(on_disk).reshape(shape)
-                self._read_into(ds, dest, key)
-                if dtype == "bool" and r.data.max() > 1:
-                    raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
-            return r
+            return r, r.data.view(on_disk).reshape(shape)
         import torch
 
-        if bits_ok and on_disk.byteorder in "=<|":
-            t = empty_tensor(shape, dtype, phase=phase)
-            if t.numel():
-                src = t.view(torch.int16) if dtype == "bfloat16" else t
-                dest = src.numpy().view(on_disk)
-                self._read_into(ds, dest, key)
-                if dtype == "bool" and dest.view(np.uint8).max() > 1:
-                    raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
-            return t
-        # Castable on-disk type (e.g. float64 values for a float32 tensor): numpy value cast, as cstorch does.
-
-        return cast_array(self._read_array(ds, key), dtype)
+        t = empty_tensor(shape, dtype, phase=phase)
+        src = t.view(torch.int16) if dtype == "bfloat16" else t
+        return t, src.numpy().view(on_disk)
 
     def read_array(self, ds: h5py.Dataset, key: str) -> np.ndarray:
         """The dataset in its own on-disk type (little-endian native)."""
@@ -338,6 +378,18 @@ class H5File:
         if arr.dtype.kind != "V":
             raise CorruptCheckpoint(f"{key!r}: {name} is not an opaque byte string")
         return arr.tobytes()
+
+
+def _same_bits(on_disk: np.dtype, dtype: str) -> bool:
+    """Whether a dataset of type ``on_disk`` stores a ``dtype`` tensor's own bits (little-endian)."""
+    want = np.dtype(stored_numpy_dtype(dtype))
+    same = on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))
+    return same and on_disk.byteorder in "=<|"
+
+
+def _check_bools(dest: np.ndarray, dtype: str, key: str) -> None:
+    if dtype == "bool" and dest.size and dest.view(np.uint8).max() > 1:
+        raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
 
 
 def _phase(ds: h5py.Dataset) -> int | None:
