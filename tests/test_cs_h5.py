@@ -567,6 +567,37 @@ def test_castable_on_disk_types_load_like_cstorch(tmp_path):
         assert src.read("b").tolist() == [False, True, True]
 
 
+def test_a_type_h5py_names_after_a_plain_numpy_type_is_converted_by_hdf5(s3_bucket, tmp_path):
+    """An integer using 16 of its 32 bits from bit 8: h5py calls it int32, but its bytes are not an
+    int32's; HDF5 converts it, locally and on S3 (where a contiguous dataset of plain bits is read
+    with its neighbours, past HDF5)."""
+    path = tmp_path / "custom.mdl"
+    ints = np.array([1, 2, -3, 1000], np.int32)
+    save(path, {"a": torch.ones(4), "i": torch.zeros(4, dtype=torch.int32)})
+    with h5py.File(path, "r+") as f:
+        tid = h5py.h5t.STD_I32LE.copy()
+        tid.set_precision(16)
+        tid.set_offset(8)
+        attrs = dict(f["i"].attrs)
+        del f["i"]
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        ds = h5py.Dataset(h5py.h5d.create(f.id, b"i", tid, h5py.h5s.create_simple(ints.shape), dcpl=dcpl))
+        ds[...] = ints
+        assert ds.dtype == np.int32 and ds.chunks is None  # what h5py names it; one plain range
+        for k, v in attrs.items():
+            ds.attrs[k] = v
+    uri = f"s3://{s3_bucket}/custom/custom.mdl"
+    open_storage(uri).write_bytes(uri, path.read_bytes())
+    for where in (str(path), uri):
+        with source(where) as src:
+            assert src.read("i").tolist() == ints.tolist()
+            assert src.extent("i") is None
+            assert src.read_neighbours(["i"])[0].tolist() == ints.tolist()
+            with src.reading_raw(True):  # no raw bytes for it either: HDF5's conversion
+                assert torch.equal(src.read("i"), torch.from_numpy(ints))
+
+
 # --- refusals and attacks --------------------------------------------------------------------------
 
 

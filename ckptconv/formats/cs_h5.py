@@ -38,14 +38,13 @@ import h5py
 import numpy as np
 
 from ckptconv.core.errors import (
-    CkptconvError,
     CorruptCheckpoint,
     IncompleteCheckpoint,
     UnsupportedDtype,
 )
 from ckptconv.formats.base import Entry, Extent, TensorSource
 from ckptconv.formats.cs_base import decode_object, follow_link, full_tensor, release_of
-from ckptconv.formats.cs_h5_io import H5File, damaged_as_corrupt
+from ckptconv.formats.cs_h5_io import H5File, check_bools, damaged_as_corrupt
 from ckptconv.formats.cs_h5_legacy import LegacyLayout
 from ckptconv.formats.cs_h5_write import CsH5Sink
 from ckptconv.formats.cs_serializers import (
@@ -58,6 +57,7 @@ from ckptconv.formats.cs_serializers import (
     parse_root_spec,
 )
 from ckptconv.formats.links import refuse_link_cycles
+from ckptconv.formats.sharding import Slot, read_neighbours, tensor_view
 from ckptconv.formats.tree import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,9 @@ class CsH5Source(TensorSource):
 
     def __init__(self, storage: Any, uri: str, *, allow_incomplete: bool = False, threads: int = 2) -> None:
         super().__init__(storage, uri)
+        # Tensors whose bytes are one plain range of the file, where the storage reads neighbouring
+        # ranges together (see extent()).
+        self._slots: dict[str, Slot] = {}
         self.h5 = H5File(storage, uri, threads=threads)
         self.learned(self.h5.info)
         try:
@@ -120,7 +123,6 @@ class CsH5Source(TensorSource):
             self.h5.close()
             raise
         self._by_key = {e.key: e for e in self._entries}
-        self._extents: dict[str, Extent | None] = {}
 
     # --- metadata ------------------------------------------------------------------------------
 
@@ -148,6 +150,10 @@ class CsH5Source(TensorSource):
                     f"{leaf.key!r}: dataset shape {ds.shape} disagrees with its metadata shape {leaf.shape}"
                 )
             self._check_dataset_attrs(ds, leaf)
+            if self.storage.coalesce_bytes:  # where neighbours are read together (object storage)
+                span = self.h5.tensor_extent(ds, leaf.dtype, leaf.shape)
+                if span is not None:
+                    self._slots[leaf.key] = Slot(self.uri, *span, leaf.dtype, leaf.shape)
             return leaf.entry(dataset=ds.name)
         if leaf.kind == "array":
             ds = self.h5.dataset(leaf.subkey or leaf.key, leaf.key)
@@ -257,38 +263,18 @@ class CsH5Source(TensorSource):
         raise CorruptCheckpoint(f"{entry.key!r}: unknown entry kind {entry.kind}")
 
     def extent(self, key: str) -> Extent | None:
-        if self._legacy is not None or not self.storage.coalesce_bytes:
-            return None
-        found = self._extents.get(key, False)
-        if found is False:
-            found = self._extents[key] = self._find_extent(key)
-        return found
-
-    def _find_extent(self, key: str) -> Extent | None:
-        entry = self._by_key.get(key)
-        if entry is None:
-            return None
-        try:
-            entry = follow_link(self._by_key, entry)
-            if entry.kind != "tensor" or "fill_value" in entry.meta:
-                return None
-            ds = self.h5.dataset(entry.meta["dataset"], entry.key)
-        except CkptconvError:  # reported by read(), for the key it is about
-            return None
-        span = self.h5.tensor_extent(ds, entry.dtype, entry.shape)
-        return None if span is None else Extent(self.uri, *span)
+        # Links and fill values have none: a link's bytes are its target's, read under that key.
+        slot = self._slots.get(key)
+        return None if slot is None else Extent(slot.uri, slot.offset, slot.nbytes)
 
     def read_neighbours(self, keys: list[str]) -> list[Any]:
-        extents = [self.extent(k) for k in keys]
-        if not all(extents):
+        slots = [self._slots.get(k) for k in keys]
+        if not keys or not all(slots):
             return super().read_neighbours(keys)
-        tensors = []
-        for key in keys:
-            entry = follow_link(self._by_key, self._by_key[key])
-            ds = self.h5.dataset(entry.meta["dataset"], entry.key)
-            tensors.append((ds, entry.key, entry.dtype, entry.shape))
-        with damaged_as_corrupt(self.uri):
-            return self.h5.read_tensors_at(extents[0].offset, tensors, raw=self.raw_reads)
+        values = read_neighbours(self.storage, slots, raw=self.raw_reads)
+        for slot, key, value in zip(slots, keys, values, strict=True):
+            check_bools(np.frombuffer(tensor_view(value), np.uint8), slot.dtype, key)
+        return values
 
     def close(self) -> None:
         self.h5.close()

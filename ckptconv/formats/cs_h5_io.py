@@ -1,9 +1,10 @@
 """Opening Cerebras H5 files and reading their numeric datasets into tensors (all format versions).
 
 Files open through h5py directly when the storage has a local path, otherwise through the
-storage's seekable reader. Data of LZ4-chunked datasets bypasses HDF5 (see
-:mod:`ckptconv.formats.cs_h5_chunks`); everything else goes through h5py. HDF5 errors on damaged
-files surface as :class:`~ckptconv.core.errors.CorruptCheckpoint`.
+storage's seekable reader. Data of LZ4-chunked datasets (see :mod:`ckptconv.formats.cs_h5_chunks`)
+and of contiguous unfiltered ones bypasses HDF5, when their HDF5 type stores exactly the bits of
+the numpy type h5py names for it (:func:`_plain_bits`); everything else goes through h5py, which
+converts. HDF5 errors on damaged files surface as :class:`~ckptconv.core.errors.CorruptCheckpoint`.
 
 HDF5 itself loops forever on a global heap collection whose objects do not advance (found by
 fuzzing a fixture with zeroed or shifted byte runs): files are read through
@@ -224,60 +225,6 @@ class H5File:
         """The dataset as a CPU tensor of ``dtype``: bf16 from its int16 bits, other types value-cast (§1.7).
 
         ``raw``: a :class:`RawTensor` when the stored bits are the tensor's (no cast), without torch."""
-        value, dest = self._tensor_buffer(ds, key, dtype, shape, raw=raw)
-        if dest is None:
-            # Castable on-disk type (e.g. float64 values for a float32 tensor): numpy value cast, as cstorch does.
-            return cast_array(self._read_array(ds, key), dtype)
-        if dest.size:
-            self._read_into(ds, dest, key)
-            _check_bools(dest, dtype, key)
-        return value
-
-    def tensor_extent(self, ds: h5py.Dataset, dtype: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
-        """(offset, nbytes) of a dataset whose stored bytes are exactly the tensor's, as one
-        allocated, unfiltered range inside the file; None otherwise (it is then read on its own,
-        by :meth:`read_tensor`, which also reports what is wrong with it)."""
-        try:
-            on_disk = ds.dtype
-            if ds.shape is None or tuple(ds.shape) != tuple(shape) or not _same_bits(on_disk, dtype):
-                return None
-            if ds.chunks is not None or ds.id.get_create_plist().get_nfilters():
-                return None
-            offset = ds.id.get_offset()
-            nbytes = ds.id.get_storage_size()
-        except H5_ERRORS:
-            return None
-        if offset is None or nbytes != math.prod(shape) * on_disk.itemsize or nbytes == 0:
-            return None
-        if offset < 0 or offset + nbytes > self.size:
-            return None
-        return int(offset), int(nbytes)
-
-    def read_tensors_at(
-        self, offset: int, tensors: list[tuple[h5py.Dataset, str, str, tuple[int, ...]]], *, raw: bool = False
-    ) -> list[torch.Tensor | RawTensor]:
-        """Tensors ``(dataset, key, dtype, shape)`` whose :meth:`tensor_extent` ranges follow each
-        other from ``offset``: read as the storage reads neighbouring ranges (one request on
-        object storage), each into its own memory."""
-        made, end = [], offset
-        for ds, key, dtype, shape in tensors:
-            extent = self.tensor_extent(ds, dtype, shape)
-            if extent is None or extent[0] != end:
-                raise ValueError(f"{key!r} is not stored right after the range before it (ends at {end})")
-            value, dest = self._tensor_buffer(ds, key, dtype, shape, raw=raw)
-            assert dest is not None  # a tensor extent has the tensor's own bits
-            made.append((value, dest, dtype, key))
-            end += extent[1]
-        self.storage.read_scattered(self.uri, offset, [memoryview(d.reshape(-1).view(np.uint8)) for _, d, _, _ in made])
-        for _, dest, dtype, key in made:
-            _check_bools(dest, dtype, key)
-        return [value for value, _, _, _ in made]
-
-    def _tensor_buffer(
-        self, ds: h5py.Dataset, key: str, dtype: str, shape: tuple[int, ...], *, raw: bool
-    ) -> tuple[Any, np.ndarray | None]:
-        """An empty tensor for the dataset and the array its stored bits are read into, which is
-        the tensor's memory; None for that array when the stored type needs a value cast."""
         if ds.shape is None:
             raise CorruptCheckpoint(f"{key!r}: dataset holds no array (empty dataspace)")
         if tuple(ds.shape) != tuple(shape):
@@ -287,24 +234,48 @@ class H5File:
         on_disk = ds.dtype
         if on_disk.kind not in "biufc":
             raise CorruptCheckpoint(f"{key!r}: dataset has non-numeric type {on_disk} for a {dtype} tensor")
-        if not _same_bits(on_disk, dtype):
-            return None, None
+        if not _tensor_bits(ds, dtype):
+            # Castable on-disk type (e.g. float64 values for a float32 tensor): numpy value cast, as cstorch does.
+            return cast_array(self._read_array(ds, key), dtype)
         phase = _phase(ds)
         if raw:
-            r = empty_raw(shape, dtype, phase=phase)
-            return r, r.data.view(on_disk).reshape(shape)
-        import torch
+            value: Any = empty_raw(shape, dtype, phase=phase)
+            dest = value.data.view(on_disk).reshape(shape)
+        else:
+            import torch
 
-        t = empty_tensor(shape, dtype, phase=phase)
-        src = t.view(torch.int16) if dtype == "bfloat16" else t
-        return t, src.numpy().view(on_disk)
+            value = empty_tensor(shape, dtype, phase=phase)
+            dest = (value.view(torch.int16) if dtype == "bfloat16" else value).numpy().view(on_disk)
+        if dest.size:
+            self._read_into(ds, dest, key)
+            check_bools(dest, dtype, key)
+        return value
+
+    def tensor_extent(self, ds: h5py.Dataset, dtype: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """(offset, nbytes) of a dataset whose stored bytes are exactly the ``dtype`` tensor's, as
+        one allocated, unfiltered range inside the file: what :meth:`read_tensor` would read with
+        one ranged read. None otherwise (read_tensor then reads it, and says what is wrong with it)."""
+        try:
+            if ds.shape is None or tuple(ds.shape) != tuple(shape) or not _tensor_bits(ds, dtype):
+                return None
+            if ds.chunks is not None or ds.id.get_create_plist().get_nfilters():
+                return None
+            offset = ds.id.get_offset()
+            nbytes = ds.id.get_storage_size()
+        except H5_ERRORS:  # a damaged header: read_tensor reports it for its key
+            return None
+        if offset is None or nbytes == 0 or nbytes != math.prod(shape) * ds.dtype.itemsize:
+            return None
+        if offset < 0 or offset + nbytes > self.size:
+            return None
+        return int(offset), int(nbytes)
 
     def read_array(self, ds: h5py.Dataset, key: str) -> np.ndarray:
         """The dataset in its own on-disk type (little-endian native)."""
         on_disk = ds.dtype
         if ds.shape is None:
             raise CorruptCheckpoint(f"{key!r}: dataset holds no array (empty dataspace)")
-        if on_disk.byteorder in "=<|" and on_disk.kind in "biufc":
+        if on_disk.kind in "biufc" and _plain_bits(ds):
             dest = np.empty(ds.shape, dtype=on_disk)
             if dest.size:
                 self._read_into(ds, dest, key)
@@ -380,14 +351,25 @@ class H5File:
         return arr.tobytes()
 
 
-def _same_bits(on_disk: np.dtype, dtype: str) -> bool:
-    """Whether a dataset of type ``on_disk`` stores a ``dtype`` tensor's own bits (little-endian)."""
+def _plain_bits(ds: h5py.Dataset) -> bool:
+    """Whether the dataset's stored bits are those of the numpy type h5py names for it, little-endian.
+
+    h5py names the nearest numpy type for any HDF5 type: an integer using 16 of 32 bits from bit
+    8, or a float with its own exponent bias, are reported as plain ``int32`` / ``float64``
+    although their bytes are not; only HDF5 reads such values right (it converts them)."""
+    on_disk = ds.dtype
+    return on_disk.byteorder in "=<|" and ds.id.get_type().equal(h5py.h5t.py_create(on_disk))
+
+
+def _tensor_bits(ds: h5py.Dataset, dtype: str) -> bool:
+    """Whether the dataset stores a ``dtype`` tensor's own bits (bf16: as 16-bit integers)."""
+    on_disk = ds.dtype
     want = np.dtype(stored_numpy_dtype(dtype))
-    same = on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))
-    return same and on_disk.byteorder in "=<|"
+    return (on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))) and _plain_bits(ds)
 
 
-def _check_bools(dest: np.ndarray, dtype: str, key: str) -> None:
+def check_bools(dest: np.ndarray, dtype: str, key: str) -> None:
+    """A bool tensor's bytes read as they are must each be 0 or 1."""
     if dtype == "bool" and dest.size and dest.view(np.uint8).max() > 1:
         raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
 
