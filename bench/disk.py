@@ -1,10 +1,11 @@
 """The local disk in a benchmark: its page cache dropped, how busy it was, what it does alone.
 
 A local conversion reads every byte of its checkpoint and writes as many. On a virtual disk that is
-what sets its pace, and ``cp`` is a poor yardstick for it: ``cp`` goes through the page cache,
-whose cost on a virtual machine varies with the host (3 GB copied in 4.8 s, then in 19.4 s with
-18 s of system time, minutes apart on one machine), while ckptconv reads and writes its bulk around
-it. So the benchmarks print two more facts beside ``cp``:
+what sets its pace, and ``cp`` is a poor yardstick for it: ``cp`` copies inside the kernel
+(``copy_file_range``, the bytes never in its memory) through the page cache, whose cost on a
+virtual machine varies with the host (3 GB copied in 4.8 s, then in 19.4 s with 18 s of system
+time, minutes apart on one machine; 2.6 s on another day), while ckptconv reads every byte into
+its memory to convert and hash it, around the page cache. So the benchmarks print two more facts beside ``cp``:
 
 - the *disk alone*: the same files copied by ``dd`` with ``O_DIRECT`` on both sides (no page cache),
   one ``dd`` per file, all at once: the device moving the same bytes with nothing else to do. A
