@@ -5,7 +5,8 @@ what sets its pace, and ``cp`` is a poor yardstick for it: ``cp`` copies inside 
 (``copy_file_range``, the bytes never in its memory) through the page cache, whose cost on a
 virtual machine varies with the host (3 GB copied in 4.8 s, then in 19.4 s with 18 s of system
 time, minutes apart on one machine; 2.6 s on another day), while ckptconv reads every byte into
-its memory to convert and hash it, around the page cache. So the benchmarks print two more facts beside ``cp``:
+its memory to convert and hash it, around the page cache. So the benchmarks print two more facts
+beside ``cp``:
 
 - the *disk alone*: the same files copied by ``dd`` with ``O_DIRECT`` on both sides (no page cache),
   one ``dd`` per file, all at once: the device moving the same bytes with nothing else to do. A

@@ -258,17 +258,13 @@ class H5File:
         try:
             if ds.shape is None or tuple(ds.shape) != tuple(shape) or not _tensor_bits(ds, dtype):
                 return None
-            if ds.chunks is not None or ds.id.get_create_plist().get_nfilters():
-                return None
-            offset = ds.id.get_offset()
-            nbytes = ds.id.get_storage_size()
+            nbytes = math.prod(shape) * ds.dtype.itemsize
+            offset = _one_range(ds, nbytes)
         except H5_ERRORS:  # a damaged header: read_tensor reports it for its key
             return None
-        if offset is None or nbytes == 0 or nbytes != math.prod(shape) * ds.dtype.itemsize:
+        if offset is None or nbytes == 0 or offset < 0 or offset + nbytes > self.size:
             return None
-        if offset < 0 or offset + nbytes > self.size:
-            return None
-        return int(offset), int(nbytes)
+        return offset, nbytes
 
     def read_array(self, ds: h5py.Dataset, key: str) -> np.ndarray:
         """The dataset in its own on-disk type (little-endian native)."""
@@ -305,7 +301,7 @@ class H5File:
                 if len(stored) == expected:
                     self.chunks.read(ds.id, dest, chunks, f"{key!r}", stored)
                     return
-            if ds.chunks is None and not filters and self._read_contiguous(ds, dest, key):
+            if self._read_contiguous(ds, dest, key):
                 return
             if filters and any(not h5py.h5z.filter_avail(f) for f in filters):
                 raise UnsupportedFormat(f"{key!r}: dataset uses HDF5 filters {filters} that are not available")
@@ -324,9 +320,9 @@ class H5File:
         concurrent ranged GETs, on as many threads as ask. False when the data is not stored as
         one allocated range of exactly ``dest``'s size (HDF5 then reads it, fill values included).
         """
-        offset = ds.id.get_offset()
         nbytes = dest.nbytes
-        if offset is None or ds.id.get_storage_size() != nbytes or not dest.flags.c_contiguous:
+        offset = _one_range(ds, nbytes)
+        if offset is None or not dest.flags.c_contiguous:
             return False
         if offset < 0 or offset + nbytes > self.size:
             raise CorruptCheckpoint(f"{key!r}: dataset at byte {offset} (+{nbytes}) lies beyond the end of the file")
@@ -366,6 +362,17 @@ def _tensor_bits(ds: h5py.Dataset, dtype: str) -> bool:
     on_disk = ds.dtype
     want = np.dtype(stored_numpy_dtype(dtype))
     return (on_disk == want or (dtype == "bfloat16" and on_disk == np.dtype("<u2"))) and _plain_bits(ds)
+
+
+def _one_range(ds: h5py.Dataset, nbytes: int) -> int | None:
+    """Where the dataset's bytes start when they are stored as one allocated range of exactly
+    ``nbytes`` (unchunked, unfiltered); None otherwise."""
+    if ds.chunks is not None or ds.id.get_create_plist().get_nfilters():
+        return None
+    offset = ds.id.get_offset()
+    if offset is None or ds.id.get_storage_size() != nbytes:
+        return None
+    return int(offset)
 
 
 def check_bools(dest: np.ndarray, dtype: str, key: str) -> None:
