@@ -186,12 +186,9 @@ def run_plan(
     reporter = ProgressReporter(progress)
     timings: dict[str, float] = {}
 
-    done = _resume(layout, job_id)
+    done = resume_or_refuse(layout, job_id, to, extra_files)
     if done is not None:
         return done
-    occupied = layout.occupied(to, extra_files)
-    if occupied is not None:
-        raise TargetExists(f"{occupied} already exists", uri=occupied)
 
     memory, options = fit_memory(
         plan, {e.key: e.nbytes for e in src.entries()}, memory_budget, target, to, sink_options
@@ -234,11 +231,7 @@ def run_plan(
                 reporter.advance(plan.tensors_total, plan.bytes_total)
                 reporter.finish()
             if mode == "full":
-                reopened = (reopen or source_class(to))(storage, layout.sink_uri)
-                try:
-                    report = verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)
-                finally:
-                    reopened.close()
+                report = verify_reopened(plan, digests, layout, reopen or source_class(to), reporter, cancelled)
             outputs = hashed.result()
         timings["verify_s"] = round(time.monotonic() - t1, 3)
         stage_manifest(
@@ -260,6 +253,38 @@ def run_plan(
     result.timings["publish_s"] = round(time.monotonic() - t0 - sum(timings.values()), 3)
     reporter.complete("done", plan.tensors_total, plan.bytes_total)
     return result
+
+
+def resume_or_refuse(
+    layout: _Layout, job_id: str | None, to: str, extra_files: dict[str, bytes] | None
+) -> ConvertResult | None:
+    """What a run settles before converting anything: a redelivered job whose output an earlier
+    attempt published (or staged and verified, then published now) ends with that result; otherwise
+    None, once the target's final names are free (TargetExists names the first one taken)."""
+    done = _resume(layout, job_id)
+    if done is not None:
+        return done
+    occupied = layout.occupied(to, extra_files)
+    if occupied is not None:
+        raise TargetExists(f"{occupied} already exists", uri=occupied)
+    return None
+
+
+def verify_reopened(
+    plan: Plan,
+    digests: dict[str, str],
+    layout: _Layout,
+    reopen: Callable[[Storage, str], TensorSource],
+    reporter: ProgressReporter,
+    cancelled: CancelFn | None,
+) -> VerifyReport:
+    """``verify: full``: the staged output read back through ``reopen`` (its format's reader) and
+    compared entry by entry with what was written; the reader is closed whatever the outcome."""
+    reopened = reopen(layout.storage, layout.sink_uri)
+    try:
+        return verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)
+    finally:
+        reopened.close()
 
 
 def end_unpublished(target: str, job_id: str) -> dict[str, Any] | None:

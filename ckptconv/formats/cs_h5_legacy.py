@@ -28,10 +28,11 @@ import numpy as np
 
 from ckptconv.core.errors import CorruptCheckpoint, UnsupportedDtype, UnsupportedFormat
 from ckptconv.formats import restricted_pickle
-from ckptconv.formats.base import Entry, torch_dtype
-from ckptconv.formats.cs_base import decode_object, follow_link, release_of
+from ckptconv.formats.base import Entry
+from ckptconv.formats.cs_base import decode_object, follow_link, full_tensor, release_of
 from ckptconv.formats.cs_h5_io import H5File
 from ckptconv.formats.cs_serializers import check_unique_keys, numpy_dtype_name
+from ckptconv.formats.listed_entries import ListedEntries
 from ckptconv.formats.tree import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def _plain(v: Any) -> Any:
     return v.item() if isinstance(v, np.generic) else v
 
 
-class LegacyLayout:
+class LegacyLayout(ListedEntries):
     """Metadata and reads of one legacy file (used by :class:`~ckptconv.formats.cs_h5.CsH5Source`)."""
 
     def __init__(self, h5: H5File, version: float) -> None:
@@ -228,13 +229,6 @@ class LegacyLayout:
 
     # --- protocol ------------------------------------------------------------------------------
 
-    def entries(self) -> list[Entry]:
-        return list(self._entries)
-
-    @property
-    def spec(self) -> TreeSpec:
-        return self._spec
-
     @property
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -248,19 +242,11 @@ class LegacyLayout:
         return out
 
     def read(self, key: str) -> Any:
-        import torch
-
-        entry = self._by_key.get(key)
-        if entry is None:
-            raise KeyError(key)
-        entry = follow_link(self._by_key, entry)
+        entry = follow_link(self._by_key, self._listed(key))
         if entry.kind == "value":
             return entry.value
         if "fill_value" in entry.meta:
-            t = torch.zeros(entry.shape, dtype=torch_dtype(entry.dtype))
-            if entry.meta["fill_value"] is not None:
-                t.fill_(entry.meta["fill_value"])
-            return t
+            return full_tensor(entry)
         if entry.kind == "object":
             ds = self.h5.dataset(entry.meta["dataset"], entry.key)
             hexed = _str(self.h5.attr(ds, "object_value"))

@@ -55,6 +55,7 @@ from ckptconv.formats.cs_serializers import (
 )
 from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.formats.links import refuse_link_cycles
+from ckptconv.formats.listed_entries import ListedEntries
 from ckptconv.formats.memory import empty_tensor
 from ckptconv.formats.sharding import create_local_skeletons
 from ckptconv.formats.tree import TreeSpec
@@ -91,7 +92,7 @@ def _first_int(md: dict[str, Any], name: str) -> int | None:
     return None
 
 
-class CsS3Source(TensorSource):
+class CsS3Source(ListedEntries, TensorSource):
     """Reads a Cerebras object-per-key checkpoint (S3 prefix or local directory).
 
     Options: ``allow_incomplete`` (read without ``__SUCCESS__``), ``threads`` (parallel ranged
@@ -188,13 +189,6 @@ class CsS3Source(TensorSource):
 
     # --- protocol ------------------------------------------------------------------------------
 
-    def entries(self) -> list[Entry]:
-        return list(self._entries)
-
-    @property
-    def spec(self) -> TreeSpec:
-        return self._spec
-
     @property
     def info(self) -> dict[str, Any]:
         cv = self._attrs.get("__cstorch_version__")
@@ -210,10 +204,7 @@ class CsS3Source(TensorSource):
         return [self._meta_uri, *(e.meta["object"] for e in self._entries if "object" in e.meta)]
 
     def read(self, key: str) -> Any:
-        entry = self._by_key.get(key)
-        if entry is None:
-            raise KeyError(key)
-        entry = follow_link(self._by_key, entry)
+        entry = follow_link(self._by_key, self._listed(key))
         if entry.kind == "value":
             return entry.value
         if "fill_value" in entry.meta:

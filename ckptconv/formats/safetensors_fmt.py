@@ -59,6 +59,7 @@ from ckptconv.formats.hf_record import (
 )
 from ckptconv.formats.layout import FileLayout, Span
 from ckptconv.formats.links import link_root
+from ckptconv.formats.listed_entries import ListedEntries
 from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.sharding import (
     SAFETENSORS,
@@ -233,7 +234,7 @@ def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata:
 # --- source ----------------------------------------------------------------------------------
 
 
-class SafetensorsSource(TensorSource):
+class SafetensorsSource(ListedEntries, TensorSource):
     """A safetensors file, an index file, or a directory/prefix holding one of them."""
 
     format = "safetensors"
@@ -272,13 +273,6 @@ class SafetensorsSource(TensorSource):
         self._entries, self._spec = entries_from_record(record, stored, self.path)
         self._by_key = {e.key: e for e in self._entries}
 
-    def entries(self) -> list[Entry]:
-        return list(self._entries)
-
-    @property
-    def spec(self) -> TreeSpec | None:
-        return self._spec
-
     @property
     def info(self) -> dict[str, Any]:
         return {"metadata": self.metadata, "files": len(self._files)}
@@ -287,9 +281,7 @@ class SafetensorsSource(TensorSource):
         return list(self._files)
 
     def read(self, key: str) -> Any:
-        entry = self._by_key.get(key)
-        if entry is None:
-            raise KeyError(key)
+        entry = self._listed(key)
         if entry.kind == "value":
             return entry.value
         if entry.kind == "link":  # its copy in the file is for plain readers; the target is the value

@@ -60,6 +60,7 @@ from ckptconv.formats.hf_record import (
 )
 from ckptconv.formats.layout import FileLayout, LayoutRecorder
 from ckptconv.formats.links import link_root
+from ckptconv.formats.listed_entries import ListedEntries
 from ckptconv.formats.pickle_allowlist import STORAGE_OF_DTYPE, StorageRef, TensorRef, TorchDtype
 from ckptconv.formats.registry import FORMATS
 from ckptconv.formats.restricted_pickle import load_stream
@@ -109,7 +110,7 @@ def _flat_spec(tree: Any, spec: TreeSpec) -> TreeSpec | None:
     return spec
 
 
-class TorchSource(TensorSource):
+class TorchSource(ListedEntries, TensorSource):
     """A ``torch.save`` file, a ``pytorch_model.bin.index.json``, or a directory/prefix holding one."""
 
     format = "torch"
@@ -217,13 +218,6 @@ class TorchSource(TensorSource):
         except Exception as e:
             raise CorruptCheckpoint(f"{uri} is not a readable torch pickle ({type(e).__name__}: {e})") from None
 
-    def entries(self) -> list[Entry]:
-        return list(self._entries)
-
-    @property
-    def spec(self) -> TreeSpec | None:
-        return self._spec
-
     @property
     def info(self) -> dict[str, Any]:
         return {"files": len(self._files), "legacy_pickle": self.legacy}
@@ -232,9 +226,7 @@ class TorchSource(TensorSource):
         return list(self._files)
 
     def read(self, key: str) -> Any:
-        entry = self._by_key.get(key)
-        if entry is None:
-            raise KeyError(key)
+        entry = self._listed(key)
         if entry.kind == "value":
             return entry.value
         if key not in self._refs:  # a link recorded in the index record only

@@ -13,12 +13,11 @@ from ckptconv.engine.execute import (
     VerifyReport,
     check_cancelled,
     check_written,
-    verify_output,
 )
 from ckptconv.engine.fanout.records import _part_uri, _read_doc, check_layout, check_record, layout_memory
 from ckptconv.engine.fanout.tail import write_late_files, write_tails
 from ckptconv.engine.plan import Plan
-from ckptconv.engine.run import fill_digests, stage_manifest
+from ckptconv.engine.run import fill_digests, stage_manifest, verify_reopened
 from ckptconv.engine.staging import _Layout
 from ckptconv.formats import source_class
 from ckptconv.formats.base import OutputFile, TensorSource
@@ -93,11 +92,7 @@ def _commit(
     if mode == "full":
         # Read back once: each file's digest, and its stored bytes against the blocks written.
         outputs = fill_digests(storage, outputs, reread=True)
-        reopened = source_class(to)(storage, layout.sink_uri)
-        try:
-            report = verify_output(plan, digests, reopened, reporter=reporter, cancelled=cancelled)
-        finally:
-            reopened.close()
+        report = verify_reopened(plan, digests, layout, source_class(to), reporter, cancelled)
     timings["verify_s"] = round(time.monotonic() - t1, 3)
     # What each part's process was given, as the parts split it (records.layout_memory).
     memory = layout_memory(plan, {e.key: e.nbytes for e in src.entries()}, doc)

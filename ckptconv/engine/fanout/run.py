@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from ckptconv.core.errors import CkptconvError, InvalidRequest, ObjectNotFound, TargetExists
+from ckptconv.core.errors import CkptconvError, InvalidRequest, ObjectNotFound
 from ckptconv.core.fencing import fence
 from ckptconv.core.uri import basename, normalize_uri
 from ckptconv.core.version import __version__
@@ -29,8 +29,8 @@ from ckptconv.engine.fanout.records import (
 from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
 from ckptconv.engine.fanout.split import grid_part_size, local_block_size, split_parts
 from ckptconv.engine.plan import Plan
-from ckptconv.engine.publish import ConvertResult, _publish, _resume
-from ckptconv.engine.run import fit_uploads, source_facts, verify_mode
+from ckptconv.engine.publish import ConvertResult, _publish
+from ckptconv.engine.run import fit_uploads, resume_or_refuse, source_facts, verify_mode
 from ckptconv.engine.staging import _attempt_stagings, _discard, _discard_after_failure, _Layout, _layout
 from ckptconv.formats import sink_class
 from ckptconv.formats.base import OutputFile, TensorSource, given_options
@@ -215,12 +215,9 @@ def run_fanout(
     layout = _layout(storage, target, staging, job_id)
     reporter = ProgressReporter(progress)
     mode = verify_mode(verify)
-    done = _resume(layout, job_id)
+    done = resume_or_refuse(layout, job_id, to, extra_files)
     if done is not None:
         return done
-    occupied = layout.occupied(to, extra_files)
-    if occupied is not None:
-        raise TargetExists(f"{occupied} already exists", uri=occupied)
     _discard(layout)  # a previous try of this attempt may have left a partial staging area
     options = {"sink_options": sink_options or {}, "extra_files": extra_files or {}}
     key = _plan_key(plan, src, to=to, parallelism=parallelism, **options)
