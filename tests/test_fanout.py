@@ -13,23 +13,31 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
 import h5py
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
-from ckptconv.core.errors import Cancelled, InvalidRequest, StorageError, TargetExists, VerificationFailed
+from ckptconv.core.errors import (
+    Cancelled,
+    CorruptCheckpoint,
+    InvalidRequest,
+    StorageError,
+    TargetExists,
+    VerificationFailed,
+)
 from ckptconv.engine.convert import convert, convert_part
 from ckptconv.engine.fanout import AutoParallelism, InlineRunner, resolve_parallelism, split_parts
+from ckptconv.engine.fanout.commit import _check_tiling
 from ckptconv.engine.fanout.records import _recorded_parts
 from ckptconv.engine.fanout.split import local_block_size
 from ckptconv.engine.plan import identity_plan
 from ckptconv.engine.run import run_plan
-from ckptconv.engine.staging import _layout
+from ckptconv.engine.staging import _layout, staging_root
 from ckptconv.formats.base import OutputFile
 from ckptconv.formats.detect import open_source
 from ckptconv.formats.layout import FileLayout, Span
@@ -340,6 +348,114 @@ def test_records_written_by_another_version_fail_the_job_typed_and_publish_nothi
     assert "submit the job again" in raised.value.hint
     assert not (out / "model.mdl").exists()
     assert not (out / ".ckptconv-staging").exists()
+
+
+class _TamperedRecords(_OlderRecords):
+    """Part 1's record (or the layout) as storage returns it after someone changed it: what the
+    commit must refuse rather than publish."""
+
+    def __init__(self, out: Path, how: str) -> None:
+        super().__init__(out, "", "")
+        self.how = how
+
+    def _edit(self, name: str, change: Callable[[dict], None]) -> None:
+        [path] = self.out.rglob(name)
+        doc = json.loads(path.read_bytes())
+        change(doc)
+        path.write_text(json.dumps(doc))
+
+    @contextlib.contextmanager
+    def claim(self, index: int) -> Iterator[bool]:
+        yield True
+        if index != 1:
+            return
+
+        def change(doc: dict) -> None:
+            if self.how == "ranges":
+                doc["ranges"][0][2] -= 1
+            else:
+                key = next(iter(doc[self.how]))
+                doc[self.how][key] = "0" * 32
+
+        self._edit("part-00001.json", change)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("digests", "wrote different values|written bytes differ"),
+        ("read_digests", "read different values|written bytes differ"),
+        ("ranges", "other byte ranges"),
+    ],
+)
+def test_a_part_record_that_disagrees_fails_the_commit_and_publishes_nothing(
+    tmp_path: Path, how: str, message: str
+) -> None:
+    source = _source(tmp_path, "safetensors")
+    out = tmp_path / "out"
+    runner = _TamperedRecords(out, how)
+    with pytest.raises(VerificationFailed, match=message):
+        convert(source, str(out / "model.mdl"), to="cs-h5", parallelism=2, job_id=f"tampered-{how}", parts=runner)
+    assert not (out / "model.mdl").exists()
+    assert not (out / ".ckptconv-staging").exists()
+
+
+class _SourceReplacedAfterPrepare(InlineRunner):
+    """The source rewritten under its key (same size, other values) once the layout is prepared,
+    before any part runs: as a training job writing its latest checkpoint there. A part run then
+    in a process of its own (as a worker runs it) opens the source anew."""
+
+    def __init__(self, uri: str, data: bytes, target: str, job_id: str) -> None:
+        super().__init__()
+        self.uri, self.data, self.target, self.job_id = uri, data, target, job_id
+        self.refused: list[str] = []
+
+    def dispatch(self, count: int) -> None:
+        open_storage(self.uri).write_bytes(self.uri, self.data, overwrite=True)
+        storage = open_storage(self.target)
+        [doc] = [i.uri for i in storage.list(staging_root(self.target)) if i.uri.endswith("/.fanout/layout.json")]
+        staging = doc.removesuffix("/.fanout/layout.json")
+        try:
+            convert_part(self.uri, self.target, 1, to="cs-h5", job_id=self.job_id, staging=staging)
+        except CorruptCheckpoint as e:
+            self.refused.append(str(e))
+        super().dispatch(count)
+
+
+@pytest.mark.parametrize("target", ["local", "s3"])
+def test_parts_read_the_source_versions_the_plan_read(tmp_path: Path, s3_bucket: str, target: str) -> None:
+    # Each part reads the versions recorded in the layout or fails, never a mix of the plan's
+    # version and the next: in its own process (which opens the source anew) and in the job's.
+    source = f"s3://{s3_bucket}/src/model.safetensors"
+    tensors = _tensors()
+    open_storage(source).write_bytes(source, save({k: t.contiguous() for k, t in tensors.items()}))
+    other = save({k: (t.logical_not() if t.dtype == torch.bool else -t).contiguous() for k, t in tensors.items()})
+    out = str(tmp_path / "out" / "model.mdl") if target == "local" else f"s3://{s3_bucket}/out/model.mdl"
+    runner = _SourceReplacedAfterPrepare(source, other, out, f"replaced-{target}")
+    with pytest.raises(CorruptCheckpoint, match="was replaced while it was being read"):
+        convert(source, out, to="cs-h5", parallelism=2, job_id=f"replaced-{target}", parts=runner)
+    [refused] = runner.refused
+    assert "was replaced since the job first read it" in refused
+    storage = open_storage(out)
+    assert not list(storage.list(staging_root(out).rsplit("/", 2)[0] + "/"))
+    assert _uploads(s3_bucket) == []
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ([[[0, 0, 40]], [[0, 41, 100]]], "bytes 40..41 unwritten or overlap"),
+        ([[[0, 0, 60]], [[0, 40, 100]]], "bytes 60..40 unwritten or overlap"),
+        ([[[0, 0, 40]], [[0, 40, 90]]], "stop at byte 90 of 100"),
+    ],
+    ids=["gap", "overlap", "short"],
+)
+def test_a_layout_whose_parts_do_not_tile_its_files_is_refused(parts: list, message: str) -> None:
+    # The commit checks the layout (on a takeover, as read back from storage) before it publishes.
+    doc = {"files": [{"uri": "f", "size": 100, "tail": None}], "parts": parts}
+    with pytest.raises(VerificationFailed, match=message):
+        _check_tiling(doc)
+    _check_tiling({**doc, "parts": [[[0, 0, 40]], [[0, 40, 100]]]})
 
 
 def test_sharded_torch_on_s3_holds_files_smaller_than_an_upload_part(tmp_path: Path, s3_bucket) -> None:

@@ -4,6 +4,7 @@ proxy of bench/faultproxy.py; never a throughput measurement: see bench/s3_bench
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 from urllib.parse import urlsplit
@@ -238,6 +239,36 @@ def test_a_read_resumed_after_a_reset_refuses_an_object_replaced_meanwhile(s3_bu
         assert S3Storage(proxy.url, max_attempts=5).read_range(uri, 0, 6 * MiB) == new
 
 
+def test_a_shard_replaced_during_a_conversion_fails_it_and_publishes_nothing(s3_bucket, s3_server, tmp_path):
+    # A shard rewritten under the same key (same size, other values) once the conversion has
+    # started (its read-ahead holds one tensor): the tensors read after that are refused, never
+    # mixed with the version whose header planned the run and whose ETag the manifest would name.
+    storage = S3Storage(s3_server)
+    g = torch.Generator().manual_seed(0)
+    shards = {
+        f"model-{i}.safetensors": {f"w{i}.{j}": torch.randn(128, 128, generator=g) for j in range(12)} for i in range(2)
+    }
+    for name, tensors in shards.items():
+        storage.write_bytes(f"s3://{s3_bucket}/r/{name}", save(tensors))
+    weight_map = {k: name for name, tensors in shards.items() for k in tensors}
+    index = f"s3://{s3_bucket}/r/model.safetensors.index.json"
+    storage.write_bytes(index, json.dumps({"metadata": {}, "weight_map": weight_map}).encode())
+    replaced = []
+
+    def progress(p) -> None:
+        if p.stage == "converting" and not replaced:
+            other = {k: -t for k, t in shards["model-1.safetensors"].items()}
+            storage.write_bytes(f"s3://{s3_bucket}/r/model-1.safetensors", save(other), overwrite=True)
+            replaced.append(p.tensors_done)
+
+    out = tmp_path / "out" / "model.mdl"
+    with pytest.raises(CorruptCheckpoint, match="was replaced while it was being read"):
+        convert(index, str(out), to="cs-h5", progress=progress)
+    assert replaced
+    assert not out.exists() and not (out.parent / ".ckptconv-staging").exists()
+    assert not list(out.parent.glob("*manifest*"))
+
+
 def test_an_index_of_shards_opens_with_one_read_per_shard(s3_bucket, recorded):
     proxy, seen = recorded
     storage = S3Storage(proxy.url)
@@ -248,8 +279,6 @@ def test_an_index_of_shards_opens_with_one_read_per_shard(s3_bucket, recorded):
         tensors = {f"w{i}.{j}": torch.randn(64, 64, generator=g) for j in range(50)}
         storage.write_bytes(f"s3://{s3_bucket}/m/{name}", save(tensors))
         weight_map.update(dict.fromkeys(tensors, name))
-    import json
-
     index = {"metadata": {}, "weight_map": weight_map}
     storage.write_bytes(f"s3://{s3_bucket}/m/model.safetensors.index.json", json.dumps(index).encode())
     seen.clear()

@@ -464,13 +464,13 @@ class CountingS3(S3Storage):
         super().__init__()
         self.reads: list[tuple[int, int]] = []
 
-    def read_into(self, uri: str, offset: int, buf) -> None:  # read_range reads through it too
+    def read_into(self, uri: str, offset: int, buf, **version: str) -> None:  # read_range reads through it too
         self.reads.append((offset, len(memoryview(buf).cast("B"))))
-        super().read_into(uri, offset, buf)
+        super().read_into(uri, offset, buf, **version)
 
-    def read_head(self, uri: str, length: int, *, offset: int = 0):  # one GET of its own
+    def read_head(self, uri: str, length: int, *, offset: int = 0, **version: str):  # one GET of its own
         self.reads.append((offset, length))
-        return super().read_head(uri, length, offset=offset)
+        return super().read_head(uri, length, offset=offset, **version)
 
 
 @pytest.mark.parametrize("shard_size", [None, 100])

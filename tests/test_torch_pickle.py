@@ -356,10 +356,10 @@ class CountingS3(S3Storage):
         super().__init__()
         self.reads: list[tuple[int, int]] = []
 
-    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
+    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview, **version: str) -> None:
         # Every read ends here: read_range fills a fresh buffer through it, tensors their own.
         self.reads.append((offset, len(buf)))
-        super().read_into(uri, offset, buf)
+        super().read_into(uri, offset, buf, **version)
 
 
 @pytest.mark.parametrize("shard_size", [None, 100])

@@ -19,6 +19,7 @@ from ckptconv.formats.base import TensorSource, given_options
 from ckptconv.formats.signatures import HEAD_BYTES
 from ckptconv.storage import open_storage
 from ckptconv.storage.base import Storage
+from ckptconv.storage.pinned import pin_reads
 
 
 def _by_length(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -98,8 +99,9 @@ def target_format_from_name(uri: str) -> str | None:
 
 
 def open_source(uri: str, format: str | None = None, **options: Any) -> TensorSource:
-    """Open the checkpoint at ``uri`` (format detected when not given). Reads metadata only."""
-    storage = open_storage(uri)
+    """Open the checkpoint at ``uri`` (format detected when not given). Reads metadata only; every
+    later read of one of its objects is of the version read first (ckptconv.storage.pinned)."""
+    storage = pin_reads(open_storage(uri))
     uri = normalize_uri(uri)
     fmt = check_format(format) if format else detect_source_format(storage, uri)
     cls = source_class(fmt)

@@ -92,25 +92,28 @@ class ConfinedStorage(Storage):
         self._check(uri)
         return self.inner.exists(uri)
 
-    def read_range(self, uri: str, offset: int, length: int) -> bytes:
-        self._check(uri)
-        return self.inner.read_range(uri, offset, length)
+    # ``etag`` (a version to read, see ckptconv.storage.pinned) is passed on only when given: only
+    # object stores take it.
 
-    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
+    def read_range(self, uri: str, offset: int, length: int, *, etag: str | None = None) -> bytes:
         self._check(uri)
-        self.inner.read_into(uri, offset, buf)
+        return self.inner.read_range(uri, offset, length, **_version(etag))
 
-    def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview]) -> None:
+    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview, *, etag: str | None = None) -> None:
         self._check(uri)
-        self.inner.read_scattered(uri, offset, bufs)
+        self.inner.read_into(uri, offset, buf, **_version(etag))
+
+    def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview], *, etag: str | None = None) -> None:
+        self._check(uri)
+        self.inner.read_scattered(uri, offset, bufs, **_version(etag))
 
     def read_all(self, uri: str) -> bytes:
         self._check(uri)
         return self.inner.read_all(uri)
 
-    def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
+    def read_head(self, uri: str, length: int, *, offset: int = 0, etag: str | None = None) -> tuple[bytes, ObjectInfo]:
         self._check(uri)
-        return self.inner.read_head(uri, length, offset=offset)
+        return self.inner.read_head(uri, length, offset=offset, **_version(etag))
 
     def open_reader(self, uri: str) -> BinaryIO:
         self._check(uri)
@@ -187,3 +190,7 @@ class ConfinedStorage(Storage):
 
 
 _URI_CAPABILITIES = frozenset({"user_metadata", "delete_owned"})
+
+
+def _version(etag: str | None) -> dict[str, str]:
+    return {"etag": etag} if etag else {}

@@ -31,3 +31,12 @@ def short_read(uri: str, offset: int, length: int, got: int, size: int | None = 
         got=got,
         size=size,
     )
+
+
+def replaced(uri: str, why: str) -> CorruptCheckpoint:
+    """The error for a read of an object that is no longer the version read before (``why``)."""
+    return CorruptCheckpoint(
+        f"{uri} was replaced {why}",
+        hint="convert again once nothing writes the source any more",
+        uri=uri,
+    )

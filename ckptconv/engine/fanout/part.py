@@ -34,6 +34,7 @@ from ckptconv.storage.base import Storage
 from ckptconv.storage.digests import ALGORITHM, WrittenBlocks
 from ckptconv.storage.local import LocalPatch
 from ckptconv.storage.part_upload import DEFAULT_CONCURRENCY, PartUpload
+from ckptconv.storage.pinned import hold_versions
 
 
 def compute(step: Step, read: Callable[[str], Any]) -> Any:
@@ -124,6 +125,9 @@ def run_part(
     check_layout(doc)
     if storage.exists(_part_uri(layout, index)):
         return False
+    # This process opened the source anew: it must read what the plan read, not an object put
+    # under the same key since (ckptconv.storage.pinned).
+    hold_versions(src.storage, [(f["uri"], f.get("etag")) for f in doc["sources"]])
     files = [FileLayout.from_dict(f) for f in doc["files"]]
     steps = {s.out.key: s for s in plan.steps}
     gaps: dict[int, bytes] = {}

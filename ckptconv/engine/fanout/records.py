@@ -25,12 +25,13 @@ from ckptconv.storage.part_upload import upload_buffer_bytes
 
 FANOUT_DIR = ".fanout"
 # The layout document's version, part of the plan key: an earlier fan-out of another version (a
-# local one whose parts recorded no blocks; 2: block hashes in sha256, not BLAKE3) is never adopted.
+# local one whose parts recorded no blocks; 2: block hashes in sha256, not BLAKE3; 3: no source
+# versions for the parts to read) is never adopted.
 # Raised whenever a field this code reads is added or changes meaning.
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 # What this version reads of the layout document and of a part's record. In a rolling deploy a part
 # or a commit may meet either written by another version: a typed failure of the job, not a KeyError.
-_LAYOUT_FIELDS = ("files", "parts", "part_size", "block_size", "digests", "read_digests", "side_files")
+_LAYOUT_FIELDS = ("files", "parts", "part_size", "block_size", "digests", "read_digests", "side_files", "sources")
 _RECORD_FIELDS = ("ranges", "uploaded", "digest", "digests", "read_digests")
 _OTHER_VERSION_HINT = "nothing was published; submit the job again once every worker runs the same version of ckptconv"
 

@@ -128,6 +128,8 @@ def _prepare(
         "read_digests": read_digests,
         "late": late,
         "memory": memory,
+        # The versions of the source's files the plan read (size, ETag): each part reads those.
+        "sources": source_facts(src)["files"],
     }
     # The layout document makes this staging area adoptable by a later attempt: a stale attempt
     # never writes it (it discards its staging area instead, see run_fanout).

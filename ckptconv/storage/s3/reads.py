@@ -6,7 +6,9 @@ caller's buffer. Every GET of this reader, whichever thread asks (the executor r
 values at once), takes one of ``concurrency`` slots: the number of GETs in flight is bounded no
 matter how many callers read at once. Each part is retried per the storage's policy on its own; a
 retry after a broken body asks only for the bytes still missing, of the object the first answer
-came from (``If-Match``).
+came from (``If-Match``). A caller that names an ETag (``etag``: the version of the object it read
+first, see :mod:`ckptconv.storage.pinned`) gets every GET conditional on it: bytes of another
+version are refused (412), never mixed with the first one's.
 
 A body arrives faster than any one read call takes it only from the fastest servers; from most it
 trickles in a packet or two at a time, and a thread woken for each one pays a system call, a thread
@@ -44,9 +46,8 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from ckptconv.core.errors import CorruptCheckpoint
 from ckptconv.core.sizes import parse_size
-from ckptconv.storage.ranges import short_read
+from ckptconv.storage.ranges import replaced, short_read
 from ckptconv.storage.s3.client import TruncatedResponse, error_code
 
 DEFAULT_READ_CONCURRENCY = 8
@@ -88,18 +89,21 @@ class RangedGets:
         # counts from the last packet again, as a stall's should).
         self._as_it_comes = False
 
-    def read_into(self, uri: str, bucket: str, key: str, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with the object's bytes from ``offset`` (CorruptCheckpoint past its end)."""
+    def read_into(
+        self, uri: str, bucket: str, key: str, offset: int, view: memoryview, etag: str | None = None
+    ) -> None:
+        """Fill ``view`` with the object's bytes from ``offset`` (CorruptCheckpoint past its end, or
+        when the object is no longer version ``etag``)."""
         length = len(view)
         if length == 0:
             return
         part = self.part_size
         if self.concurrency <= 1 or length < self.one_get_below:
-            self._read_part(uri, bucket, key, offset, Segments([view]))
+            self._read_part(uri, bucket, key, offset, Segments([view]), etag)
             return
         futures = [
             self._parts_pool().submit(
-                self._read_part, uri, bucket, key, offset + start, Segments([view[start : start + part]])
+                self._read_part, uri, bucket, key, offset + start, Segments([view[start : start + part]]), etag
             )
             for start in range(0, length, part)
         ]
@@ -111,16 +115,18 @@ class RangedGets:
                 f.cancel()
             concurrent.futures.wait(futures)  # no part may write into the buffer after we return
 
-    def read_scattered(self, uri: str, bucket: str, key: str, offset: int, views: Sequence[memoryview]) -> None:
+    def read_scattered(
+        self, uri: str, bucket: str, key: str, offset: int, views: Sequence[memoryview], etag: str | None = None
+    ) -> None:
         """Fill ``views`` in turn with the object's bytes from ``offset``: one GET when they are
         shorter than two parts together, as a single range is (each on its own otherwise)."""
         segments = Segments(views)
         if len(segments) < self.one_get_below:
             if len(segments):
-                self._read_part(uri, bucket, key, offset, segments)
+                self._read_part(uri, bucket, key, offset, segments, etag)
             return
         for view in views:
-            self.read_into(uri, bucket, key, offset, view)
+            self.read_into(uri, bucket, key, offset, view, etag)
             offset += len(view)
 
     @property
@@ -128,19 +134,26 @@ class RangedGets:
         """Bytes below which a range is read with one GET: parts pay only from two on."""
         return 2 * self.part_size
 
-    def read_head(self, uri: str, bucket: str, key: str, offset: int, length: int) -> tuple[bytes, dict[str, Any]]:
+    def read_head(
+        self, uri: str, bucket: str, key: str, offset: int, length: int, etag: str | None = None
+    ) -> tuple[bytes, dict[str, Any]]:
         """Up to ``length`` bytes from ``offset`` with one GET (in a slot, retried), and the response's
         facts: ``size`` (from its Content-Range), ``etag``, ``mtime``. ``size`` is None when the
         range starts at or past the end (the server refuses it) or no size was announced."""
+        condition = {"IfMatch": etag} if etag else {}
 
         def attempt() -> tuple[bytes, dict[str, Any]]:
             with self._slots:
                 try:
-                    r = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+                    r = self.client.get_object(
+                        Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}", **condition
+                    )
                 except ClientError as e:
                     code, status = error_code(e)
                     if code == "InvalidRange" or status == 416:
                         return b"", {"size": None}
+                    if etag and (code == "PreconditionFailed" or status == 412):
+                        raise replaced(uri, f"while it was being read (its ETag is no longer {etag})") from None
                     raise
                 body = r["Body"]
                 try:
@@ -166,9 +179,12 @@ class RangedGets:
                 self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="s3-read")
             return self._pool
 
-    def _read_part(self, uri: str, bucket: str, key: str, offset: int, view: Segments) -> None:
+    def _read_part(
+        self, uri: str, bucket: str, key: str, offset: int, view: Segments, pinned: str | None = None
+    ) -> None:
         done = [0]  # bytes in place so far; survives the failed tries
-        etag: list[str] = []  # the object's ETag as the first answer gave it
+        # The object's ETag: the caller's, or as the first answer gave it.
+        etag: list[str] = [pinned] if pinned else []
 
         def attempt() -> None:
             with self._slots:
@@ -184,7 +200,7 @@ class RangedGets:
         an object replaced between two tries would otherwise fill one buffer with bytes of two objects."""
         length = len(view)
         start = offset + done[0]
-        condition = {"IfMatch": etag[0]} if etag and done[0] else {}
+        condition = {"IfMatch": etag[0]} if etag else {}
         try:
             r = self.client.get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={start}-{offset + length - 1}", **condition
@@ -195,10 +211,7 @@ class RangedGets:
                 size = e.response.get("Error", {}).get("ActualObjectSize")
                 raise short_read(uri, offset, length, done[0], int(size) if size else None) from None
             if condition and (code == "PreconditionFailed" or status == 412):
-                raise CorruptCheckpoint(
-                    f"{uri} was replaced while it was being read (its ETag is no longer {etag[0]})",
-                    hint="convert again once nothing writes the source any more",
-                ) from None
+                raise replaced(uri, f"while it was being read (its ETag is no longer {etag[0]})") from None
             raise
         if not etag and r.get("ETag"):
             etag.append(r["ETag"])

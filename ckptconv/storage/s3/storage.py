@@ -178,35 +178,38 @@ class S3Storage(Storage):
         bucket, key = self._object(uri)
         return dict(self._head(uri, bucket, key).get("Metadata", {}))
 
-    def read_range(self, uri: str, offset: int, length: int) -> bytes:
+    # The reads take ``etag``: given, every GET is of that version of the object or refused
+    # (CorruptCheckpoint), see ckptconv.storage.pinned.
+
+    def read_range(self, uri: str, offset: int, length: int, *, etag: str | None = None) -> bytes:
         check_range(uri, offset, length)
         buf = bytearray(length)
-        self.read_into(uri, offset, buf)
+        self.read_into(uri, offset, buf, etag=etag)
         return bytes(buf)
 
-    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
+    def read_into(self, uri: str, offset: int, buf: bytearray | memoryview, *, etag: str | None = None) -> None:
         """Fill ``buf`` with the bytes at ``offset``: concurrent ranged GETs (:mod:`ckptconv.storage.s3.reads`)."""
         view = memoryview(buf).cast("B")
         check_range(uri, offset, len(view))
         if len(view) == 0:
             return
         bucket, key = self._object(uri)
-        self._gets.read_into(uri, bucket, key, offset, view)
+        self._gets.read_into(uri, bucket, key, offset, view, _quoted(etag))
 
-    def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview]) -> None:
+    def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview], *, etag: str | None = None) -> None:
         """Fill ``bufs`` in turn from ``offset``: one GET below :attr:`coalesce_bytes` together."""
         views = [memoryview(b).cast("B") for b in bufs]
         check_range(uri, offset, sum(len(v) for v in views))
         bucket, key = self._object(uri)
-        self._gets.read_scattered(uri, bucket, key, offset, views)
+        self._gets.read_scattered(uri, bucket, key, offset, views, _quoted(etag))
 
-    def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
+    def read_head(self, uri: str, length: int, *, offset: int = 0, etag: str | None = None) -> tuple[bytes, ObjectInfo]:
         """One ranged GET: the bytes and, from its headers, the object's size, ETag and mtime (no HEAD)."""
         check_range(uri, offset, length)
         bucket, key = self._object(uri)
         if length == 0:
             return b"", self.stat(uri)
-        data, facts = self._gets.read_head(uri, bucket, key, offset, length)
+        data, facts = self._gets.read_head(uri, bucket, key, offset, length, _quoted(etag))
         if facts["size"] is None or facts.get("mtime") is None:  # past the end, or a sparse answer
             return data, self.stat(uri)
         info = ObjectInfo(
@@ -593,3 +596,8 @@ def _precondition_failed(e: ClientError) -> bool:
 def _same_object(got: ObjectInfo, source: ObjectInfo) -> bool:
     """Whether ``got`` is a server-side copy of ``source`` (a copy keeps the ETag of a plain object)."""
     return got.size == source.size and got.etag is not None and got.etag == source.etag
+
+
+def _quoted(etag: str | None) -> str | None:
+    """An ETag as S3 sends it, for an ``If-Match`` (ObjectInfo keeps it without quotes)."""
+    return f'"{etag}"' if etag else None
