@@ -39,6 +39,7 @@ BUILTIN_BASE: dict[str, type[Exception] | None] = {
     "KeyCollision": ValueError,
     "CheckpointMismatch": ValueError,
     "TimeLimitExceeded": TimeoutError,
+    "OutOfMemory": MemoryError,
 }
 BROAD = (ValueError, OSError, LookupError, TimeoutError)
 

@@ -417,6 +417,15 @@ class WorkerLost(CkptconvError):
     default_hint = "workers running this job died repeatedly (often: out of memory); give them more memory and resubmit"
 
 
+class OutOfMemory(CkptconvError, MemoryError):
+    """A value too large for this process's memory: no buffer for it could be allocated."""
+
+    code = "out_of_memory"
+    http_status = 507
+    title = "A value does not fit in memory"
+    default_hint = "run it where more memory is free (a single tensor is held whole), or check the source's shapes"
+
+
 class LeaseLost(CkptconvError):
     """This attempt of a job is no longer the current one: another worker took the job over."""
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckptconv.core.dtypes import dtype_size
+from ckptconv.core.errors import OutOfMemory
 from ckptconv.formats.base import RawTensor, torch_dtype
 from ckptconv.storage.direct_io import ALIGN
 from ckptconv.storage.direct_reads import DIRECT_READ_BYTES
@@ -222,7 +223,7 @@ class BufferPool:
             block, start = self._place(room)
         self._drain()
         if block is None:
-            block = _Block(np.empty(room, dtype=np.uint8), self._era)
+            block = _Block(_allocate(room), self._era)
             advise_huge_pages(block.buf.ctypes.data, room)
             block.lent.append((0, room))
         at = start + (_shift_into_phase(block.buf.ctypes.data + start, phase) if phase is not None else 0)
@@ -333,6 +334,15 @@ class BufferPool:
 
 
 POOL = BufferPool()
+
+
+def _allocate(nbytes: int) -> np.ndarray:
+    """A new uninitialized buffer; a size the process cannot have (a shape declared far beyond
+    what the file holds, or a tensor larger than the machine's memory) is a typed error."""
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError:
+        raise OutOfMemory(f"no memory for a value of {nbytes:,} bytes: the allocation failed") from None
 
 
 def empty_tensor(shape: tuple[int, ...], dtype: str, *, phase: int | None = None) -> torch.Tensor:
