@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ckptconv.core.dtypes import dtype_size
-from ckptconv.core.errors import SinkProtocolError, UnsupportedDtype, UnsupportedValue
+from ckptconv.core.errors import CorruptCheckpoint, SinkProtocolError, UnsupportedDtype, UnsupportedValue
 from ckptconv.storage.base import streaming_buffer_bytes
 from ckptconv.storage.digests import ALGORITHM, digest_facts, entry_digests
 from ckptconv.storage.local import check_free_space
@@ -109,6 +109,20 @@ class RawTensor:
 def as_torch(value: Any) -> Any:
     """``value``, with a :class:`RawTensor` turned into its torch tensor (same memory)."""
     return value.torch() if isinstance(value, RawTensor) else value
+
+
+def check_bool_bytes(key: str, dtype: str, data: Any) -> None:
+    """A bool tensor's bytes (``data``: a buffer or a numpy array), as read, must each be 0 or 1:
+    numpy, torch and a cast keep any other byte as it is (a "True" equal to neither True nor
+    False), and ckptconv's own readers refuse it in the files written from it. CorruptCheckpoint
+    naming ``key`` otherwise; nothing to check for other dtypes."""
+    if dtype != "bool":
+        return
+    import numpy as np
+
+    raw = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    if raw.size and raw.max() > 1:
+        raise CorruptCheckpoint(f"{key!r}: bool tensor holds values other than 0 and 1")
 
 
 def value_dtype(value: Any) -> str:

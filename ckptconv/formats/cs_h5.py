@@ -42,9 +42,9 @@ from ckptconv.core.errors import (
     IncompleteCheckpoint,
     UnsupportedDtype,
 )
-from ckptconv.formats.base import Entry, Extent, TensorSource
+from ckptconv.formats.base import Entry, Extent, TensorSource, check_bool_bytes
 from ckptconv.formats.cs_base import decode_object, follow_link, full_tensor, release_of
-from ckptconv.formats.cs_h5_io import H5File, check_bools, damaged_as_corrupt
+from ckptconv.formats.cs_h5_io import H5File, damaged_as_corrupt
 from ckptconv.formats.cs_h5_legacy import LegacyLayout
 from ckptconv.formats.cs_h5_write import CsH5Sink
 from ckptconv.formats.cs_serializers import (
@@ -273,7 +273,7 @@ class CsH5Source(TensorSource):
             return super().read_neighbours(keys)
         values = read_neighbours(self.storage, slots, raw=self.raw_reads)
         for slot, key, value in zip(slots, keys, values, strict=True):
-            check_bools(np.frombuffer(tensor_view(value), np.uint8), slot.dtype, key)
+            check_bool_bytes(key, slot.dtype, tensor_view(value))
         return values
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ import h5py
 import numpy as np
 
 from ckptconv.core.errors import CkptconvError, CorruptCheckpoint, UnsafeCheckpoint, UnsupportedFormat
+from ckptconv.formats.base import check_bool_bytes
 from ckptconv.formats.cs_base import cast_array
 from ckptconv.formats.cs_h5_chunks import LZ4_FILTER_ID, ChunkReader, register_lz4, stored_chunks
 from ckptconv.formats.cs_h5_heap import HeapCheckingReader
@@ -248,7 +249,7 @@ class H5File:
             dest = (value.view(torch.int16) if dtype == "bfloat16" else value).numpy().view(on_disk)
         if dest.size:
             self._read_into(ds, dest, key)
-            check_bools(dest, dtype, key)
+            check_bool_bytes(key, dtype, dest)
         return value
 
     def tensor_extent(self, ds: h5py.Dataset, dtype: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -275,7 +276,7 @@ class H5File:
             dest = np.empty(ds.shape, dtype=on_disk)
             if dest.size:
                 self._read_into(ds, dest, key)
-            return dest
+            return _valid_bools(dest, key)
         return self._read_array(ds, key)
 
     def _read_array(self, ds: h5py.Dataset, key: str) -> np.ndarray:
@@ -288,7 +289,9 @@ class H5File:
         arr = np.asarray(arr)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
-        return arr
+        # HDF5 converts an enum value that is neither FALSE nor TRUE (a bool enum over another
+        # integer type than h5py's own) to all one bits: h5py then hands back a "bool" of 255.
+        return _valid_bools(arr, key)
 
     def _read_into(self, ds: h5py.Dataset, dest: np.ndarray, key: str) -> None:
         try:
@@ -375,10 +378,11 @@ def _one_range(ds: h5py.Dataset, nbytes: int) -> int | None:
     return int(offset)
 
 
-def check_bools(dest: np.ndarray, dtype: str, key: str) -> None:
-    """A bool tensor's bytes read as they are must each be 0 or 1."""
-    if dtype == "bool" and dest.size and dest.view(np.uint8).max() > 1:
-        raise CorruptCheckpoint(f"{key!r}: bool dataset holds values other than 0 and 1")
+def _valid_bools(arr: np.ndarray, key: str) -> np.ndarray:
+    """``arr``, once a bool one is found to hold only 0 and 1 (see check_bool_bytes)."""
+    if arr.dtype == np.bool_:
+        check_bool_bytes(key, "bool", arr)
+    return arr
 
 
 def _phase(ds: h5py.Dataset) -> int | None:

@@ -40,7 +40,7 @@ from ckptconv.core.errors import (
     UnsupportedFormat,
 )
 from ckptconv.formats import restricted_pickle
-from ckptconv.formats.base import Entry, OutputFile, TensorSource
+from ckptconv.formats.base import Entry, OutputFile, TensorSource, check_bool_bytes
 from ckptconv.formats.cs_base import CerebrasSink, cast_array, decode_object, follow_link, full_tensor, release_of
 from ckptconv.formats.cs_serializers import (
     FORMAT_VERSION,
@@ -254,8 +254,7 @@ class CsS3Source(ListedEntries, TensorSource):
             dest = arr.reshape(-1).view(np.uint8)
         self._fill(entry, memoryview(dest), n)
         if direct:
-            if entry.dtype == "bool" and n and dest.max() > 1:
-                raise CorruptCheckpoint(f"{entry.key!r}: bool tensor holds values other than 0 and 1")
+            check_bool_bytes(entry.key, entry.dtype, dest)
             return t
         return cast_array(arr, entry.dtype)
 

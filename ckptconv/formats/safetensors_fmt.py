@@ -48,6 +48,7 @@ from ckptconv.formats.base import (
     OpaqueObject,
     OutputFile,
     TensorSource,
+    check_bool_bytes,
     value_dtype,
 )
 from ckptconv.formats.hf_record import (
@@ -292,6 +293,7 @@ class SafetensorsSource(ListedEntries, TensorSource):
         t = read_slot(self.storage, slot, self._local.fd(slot.uri), raw=raw)
         if entry.kind == "object":
             return OpaqueObject(tensor_view(t).tobytes(), encoding=entry.meta["encoding"])
+        check_bool_bytes(key, slot.dtype, tensor_view(t))
         return t
 
     def extent(self, key: str) -> Extent | None:
@@ -304,7 +306,10 @@ class SafetensorsSource(ListedEntries, TensorSource):
     def read_neighbours(self, keys: list[str]) -> list[Any]:
         if not all(self.extent(k) for k in keys):
             return super().read_neighbours(keys)
-        return read_neighbours(self.storage, [self._slots[k] for k in keys], raw=self.raw_reads)
+        values = read_neighbours(self.storage, [self._slots[k] for k in keys], raw=self.raw_reads)
+        for key, value in zip(keys, values, strict=True):
+            check_bool_bytes(key, self._slots[key].dtype, tensor_view(value))
+        return values
 
     def close(self) -> None:
         self._local.close()
