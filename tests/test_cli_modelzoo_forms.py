@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -192,6 +193,26 @@ def test_diff_counts_nan_and_infinities_as_stored(tmp_path: Path, capsys: pytest
     by_key = {d["key"]: d for d in json.loads(capsys.readouterr().out)["differences"]}
     assert by_key["w"]["max_abs_diff"] == float("inf")  # NaN on one side only
     assert by_key["v"]["max_abs_diff"] == 1.0 and by_key["v"]["max_rel_diff"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "bits_a, bits_b",
+    [
+        ([0x00000000, 0x3F800000], [0x80000000, 0x3F800000]),  # 0.0 and -0.0: equal numbers, other bits
+        ([0x7FC00000, 0x3F800000], [0x7FC00001, 0x3F800000]),  # quiet NaNs with other payloads
+    ],
+    ids=["signed-zero", "nan-payload"],
+)
+def test_equal_compares_bits_and_allclose_numbers(tmp_path: Path, bits_a: list[int], bits_b: list[int]) -> None:
+    def floats(bits: list[int]) -> torch.Tensor:
+        return torch.from_numpy(np.array(bits, dtype=np.uint32).view(np.float32))
+
+    save_file({"w": floats(bits_a)}, tmp_path / "a.safetensors")
+    save_file({"w": floats(bits_b)}, tmp_path / "b.safetensors")
+    files = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--no-progress"]
+    assert main(["diff", *files]) == 1
+    assert main(["diff", *files, "--tensor_comparison_op", "equal"]) == 1
+    assert main(["diff", *files, "--tensor_comparison_op", "allclose"]) == 0
 
 
 def test_diff_of_dtypes_torch_cannot_promote(tmp_path: Path) -> None:

@@ -498,6 +498,71 @@ def test_a_job_whose_workers_keep_dying_fails_instead_of_looping(in_process: Sim
     assert json.loads(rec["error"])["code"] == "worker_lost"
 
 
+def test_a_job_with_an_option_this_worker_does_not_know_fails_and_frees_its_target(
+    in_process: SimpleNamespace, bucket: str
+) -> None:
+    # As a job accepted by a newer API reaches a worker of an earlier version.
+    make_checkpoint(bucket, "team/newer/model.safetensors", 4)
+    job_id = in_process.submit("team/newer/model.safetensors", "team/newer-out/model.mdl")
+    store, r = in_process.store, in_process.redis
+    request = json.loads(store.get(job_id)["request"])
+    request["options"]["option_of_a_later_version"] = True
+    r.hset(store.keys.job(job_id), "request", json.dumps(request))
+    target = f"s3://{bucket}/team/newer-out/model.mdl"
+    assert r.get(store.keys.target(target)) == job_id
+    in_process.tasks.JobRun(store, in_process.settings, job_id).execute()
+    rec = store.get(job_id)
+    assert rec["state"] == "failed" and json.loads(rec["error"])["code"] == "internal_error"
+    assert r.get(store.keys.target(target)) is None  # the target can be submitted again
+    assert set(listing(bucket, "team/newer-out")) == {"team/newer-out/model.mdl.ckptconv-job.json"}  # its record
+    assert not listing(bucket, "team/.ckptconv-staging")
+
+
+def test_redis_failing_past_its_retries_puts_the_message_back_and_ends_nothing(
+    in_process: SimpleNamespace, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery.exceptions import Reject
+
+    make_checkpoint(bucket, "team/flaky/model.safetensors", 4)
+    job_id = in_process.submit("team/flaky/model.safetensors", "team/flaky-out/model.mdl")
+    store, tasks = in_process.store, in_process.tasks
+    monkeypatch.setattr(tasks, "INFRA_BACKOFF_MAX_SECONDS", 0.05)
+    healthy = type(store).transition
+    calls = []
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        raise redis.ConnectionError("Connection reset by peer")  # what the retries gave up on
+
+    # Redis fails at the job's first change of state after its start: recording its success,
+    # once the output is published.
+    monkeypatch.setattr(type(store), "transition", broken)
+    run = tasks.JobRun(store, in_process.settings, job_id)
+    with pytest.raises(Reject) as rejected:
+        run.execute()
+    assert rejected.value.requeue and calls
+    assert store.get(job_id)["state"] == "running"  # nothing acknowledged as done
+    assert in_process.redis.get(store.keys.lease(job_id)) is None  # the next delivery may start at once
+    s3 = boto3.client("s3")
+    published = {
+        k: s3.head_object(Bucket=bucket, Key=k)["ETag"] for k in listing(bucket, "team/flaky-out") if "manifest" in k
+    }
+    assert published  # whole: the manifest is written last
+
+    monkeypatch.setattr(type(store), "transition", healthy)
+    tasks.JobRun(store, in_process.settings, job_id).execute()  # the message delivered again
+    rec = store.get(job_id)
+    assert rec["state"] == "succeeded" and rec["attempts"] == "2", rec.get("error")
+    # It took over what the first attempt published instead of converting and publishing again.
+    assert {k: s3.head_object(Bucket=bucket, Key=k)["ETag"] for k in published} == published
+    assert set(listing(bucket, "team/flaky-out")) == {
+        "team/flaky-out/model.mdl",
+        "team/flaky-out/model.mdl.manifest.json",
+        "team/flaky-out/model.mdl.ckptconv-job.json",
+    }
+    assert json.loads(rec["result"])["outputs"]
+
+
 def test_kill_9_mid_job_then_a_new_worker_finishes_it_with_nothing_partial_visible(
     redis_url: str, bucket: str, tmp_path: Path
 ) -> None:
