@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tiny_models import tiny_llama
 
 from ckptconv.cli import main
-from ckptconv.core.errors import CorruptCheckpoint, PathEscape, UnsafeCheckpoint
+from ckptconv.core.errors import CorruptCheckpoint, PathEscape, UnsafeCheckpoint, UnsupportedFormat
 from ckptconv.engine.convert import convert
 from ckptconv.engine.diff import diff_checkpoints
 from ckptconv.formats.detect import open_source
@@ -224,6 +224,21 @@ def test_inconsistent_metadata_is_refused_typed(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpoint):
         convert(str(d), str(tmp_path / "x.mdl"), to="cs-h5")
     assert not (tmp_path / "x.mdl").exists()
+
+
+def test_records_saved_through_stream_extensions_are_refused_with_a_hint(tmp_path: Path) -> None:
+    # DCP's stream extensions (compression) transform a record's bytes: read as they are, they
+    # would be garbage with the right size.
+    d = save_dcp(_state(), tmp_path / "zstd", CHUNKS)
+
+    def compressed(m) -> None:
+        next(iter(m.storage_data.values())).transform_descriptors = ["stream.zstd"]
+
+    _rewrite_metadata(d, compressed)
+    with pytest.raises(UnsupportedFormat, match=r"stream extensions \(stream\.zstd\)") as refused:
+        convert(str(d), str(tmp_path / "out.safetensors"), to="safetensors")
+    assert "without extensions" in refused.value.hint
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_metadata_that_lies_about_chunks_or_types_is_refused_typed(tmp_path: Path) -> None:

@@ -76,6 +76,18 @@ CHILD = textwrap.dedent(
             return regions
 
         cs_h5_write.CsH5Sink._allocate = allocate_then_fill
+    if hook == "fill-after-check":
+        # The free-space check passes, then another writer takes the rest of the disk: the
+        # writes fail part-way through the output.
+        from ckptconv.formats import base
+
+        check = base.check_free_space
+
+        def check_then_fill(*args, **kwargs):
+            check(*args, **kwargs)
+            fill()
+
+        base.check_free_space = check_then_fill
     try:
         convert(source, target, to=fmt, h5_compression=compression or "none", **options)
         outcome = {"code": "ok"}
@@ -160,6 +172,19 @@ def test_an_output_that_cannot_fit_is_refused_before_its_first_byte(
     assert out["code"] == "storage_error", out
     assert "not enough free space" in out["message"] and "free disk space" in out["hint"], out
     assert out["errno"] == errno.ENOSPC and out["left"] == [], out
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch", "tf"])
+def test_a_disk_filled_by_another_writer_after_the_check_is_a_typed_error(
+    small_fs: Callable[[str], Path], source: Path, fmt: str
+) -> None:
+    """Room for the output when the sink checks, none once it writes: the first failed write
+    ends the conversion with storage_error, and only the other writer's file is left."""
+    mount = small_fs("64m")
+    out = _convert_in_child(source, mount / "out", fmt, mount, hook="fill-after-check")
+    assert out["code"] == "storage_error", out
+    assert "free disk space" in out["hint"], out
+    assert out["left"] == ["filler"], out
 
 
 def test_cs_h5_cli_on_a_full_disk_exits_with_storage_error(small_fs: Callable[[str], Path], source: Path) -> None:
