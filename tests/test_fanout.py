@@ -441,6 +441,36 @@ def test_parts_read_the_source_versions_the_plan_read(tmp_path: Path, s3_bucket:
     assert _uploads(s3_bucket) == []
 
 
+class _PlannedFromOtherMetadata(InlineRunner):
+    """The layout's plan digest as a job that read other metadata (a config.json replaced between
+    the plan and a part) would have recorded it."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    def dispatch(self, count: int) -> None:
+        [path] = self.out.rglob("layout.json")
+        doc = json.loads(path.read_bytes())
+        path.write_text(json.dumps({**doc, "plan_digest": "0" * 64}))
+        super().dispatch(count)
+
+
+def test_a_part_whose_plan_differs_from_the_jobs_is_refused(tmp_path: Path) -> None:
+    source = _source(tmp_path, "safetensors")
+    out = tmp_path / "out"
+    with pytest.raises(CorruptCheckpoint, match="this part's plan differs from the job's"):
+        convert(
+            source,
+            str(out / "model.mdl"),
+            to="cs-h5",
+            parallelism=2,
+            job_id="other",
+            parts=_PlannedFromOtherMetadata(out),
+        )
+    assert not (out / "model.mdl").exists() and not (out / ".ckptconv-staging").exists()
+
+
 @pytest.mark.parametrize(
     ("parts", "message"),
     [

@@ -269,6 +269,75 @@ def test_a_shard_replaced_during_a_conversion_fails_it_and_publishes_nothing(s3_
     assert not list(out.parent.glob("*manifest*"))
 
 
+def test_a_model_of_several_directories_reads_one_version_of_each_object(s3_bucket, s3_server):
+    # DPR's two encoders are read as one checkpoint: one view of versions for both, which the
+    # manifest's provenance and a fan-out part's check go by.
+    from ckptconv.engine.layouts.api import open_model_source
+    from ckptconv.storage.pinned import hold_versions
+
+    storage = S3Storage(s3_server)
+    root = f"s3://{s3_bucket}/dpr"
+    for name in ("q_encoder", "ctx_encoder"):
+        storage.write_bytes(f"{root}/{name}/model.safetensors", save({f"{name}.w": torch.ones(4)}))
+    q = f"{root}/q_encoder/model.safetensors"
+    with open_model_source(root, "dpr", "hf") as src:
+        first = src.file_info(q).etag
+        storage.write_bytes(q, save({"q_encoder.w": torch.full((4,), 9.0)}), overwrite=True)
+        assert src.file_info(q).etag == first  # the version read, not the one there now
+        with pytest.raises(CorruptCheckpoint, match="was replaced while it was being read"):
+            src.read("q_encoder.w")
+        with pytest.raises(CorruptCheckpoint, match="replaced since the job first read it"):
+            hold_versions(src.storage, [(q, "0" * 32)])
+    # Opened after the replacement, as a fan-out part is, and held to the job's version: refused.
+    with (
+        open_model_source(root, "dpr", "hf") as src,
+        pytest.raises(CorruptCheckpoint, match="replaced since the job first read it"),
+    ):
+        hold_versions(src.storage, [(q, first)])
+
+
+def test_a_version_pinned_before_the_first_read_costs_no_request_and_is_checked_by_it(s3_bucket, recorded):
+    proxy, seen = recorded
+    from ckptconv.storage.pinned import PinnedReads
+
+    uri = f"s3://{s3_bucket}/p/blob"
+    storage = S3Storage(proxy.url)
+    old = storage.write_bytes(uri, b"a" * 100)
+    storage.write_bytes(uri, b"b" * 100, overwrite=True)
+    seen.clear()
+    pinned = PinnedReads(S3Storage(proxy.url))
+    pinned.pin(uri, old.etag)
+    assert seen == []
+    with pytest.raises(CorruptCheckpoint, match="was replaced"):
+        pinned.read_range(uri, 0, 10)
+    assert [m for m, _ in seen] == ["GET"]  # one conditional GET, refused; no HEAD before it
+
+
+def test_a_weak_etag_pins_nothing(s3_bucket, s3_server, monkeypatch):
+    # A proxy that compresses answers weakens ETags (W/"..."): they say nothing of the bytes and
+    # an If-Match with one is refused, so reads through such a proxy are not made conditional.
+    from ckptconv.storage.pinned import PinnedReads
+    from ckptconv.storage.s3.storage import ObjectInfo
+
+    uri = f"s3://{s3_bucket}/w/blob"
+    inner = S3Storage(s3_server)
+    inner.write_bytes(uri, b"x" * 64)
+    asked = []
+    head = inner.read_head
+
+    def weakened(uri, length, *, offset=0, **version):
+        asked.append(version)
+        data, info = head(uri, length, offset=offset)
+        return data, ObjectInfo(uri=uri, size=info.size, etag=f'W/"{info.etag}', mtime=info.mtime)
+
+    monkeypatch.setattr(inner, "read_head", weakened)
+    pinned = PinnedReads(inner)
+    assert pinned.read_head(uri, 8)[0] == b"x" * 8
+    assert pinned.read_range(uri, 8, 8) == b"x" * 8
+    assert pinned.read_head(uri, 4)[0] == b"x" * 4
+    assert asked == [{}, {}]
+
+
 def test_an_index_of_shards_opens_with_one_read_per_shard(s3_bucket, recorded):
     proxy, seen = recorded
     storage = S3Storage(proxy.url)

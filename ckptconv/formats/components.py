@@ -35,7 +35,8 @@ class ComponentSource(TensorSource):
         self._entries: list[Entry] = []
         try:
             for name in self.names:
-                part = open_source(storage.join(self.uri, name))
+                # Through the one view of the whole checkpoint: its versions are the job's.
+                part = open_source(storage.join(self.uri, name), storage=storage)
                 self.parts[name] = part
                 for e in part.entries():
                     if e.key in self._component:

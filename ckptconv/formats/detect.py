@@ -98,10 +98,11 @@ def target_format_from_name(uri: str) -> str | None:
     return fmt if fmt in FORMATS else None
 
 
-def open_source(uri: str, format: str | None = None, **options: Any) -> TensorSource:
+def open_source(uri: str, format: str | None = None, *, storage: Storage | None = None, **options: Any) -> TensorSource:
     """Open the checkpoint at ``uri`` (format detected when not given). Reads metadata only; every
-    later read of one of its objects is of the version read first (ckptconv.storage.pinned)."""
-    storage = pin_reads(open_storage(uri))
+    later read of one of its objects is of the version read first (ckptconv.storage.pinned).
+    ``storage``: the pinned view to read through, when the checkpoint is part of a larger one."""
+    storage = storage or pin_reads(open_storage(uri))
     uri = normalize_uri(uri)
     fmt = check_format(format) if format else detect_source_format(storage, uri)
     cls = source_class(fmt)

@@ -189,7 +189,7 @@ class ConfinedStorage(Storage):
         return checked
 
 
-_URI_CAPABILITIES = frozenset({"user_metadata", "delete_owned"})
+_URI_CAPABILITIES = frozenset({"user_metadata", "described", "delete_owned"})
 
 
 def _version(etag: str | None) -> dict[str, str]:

@@ -9,11 +9,13 @@ its first answer, or of a HEAD before a first read that has none) and makes ever
 conditional on that version (``If-Match``): a replaced object fails the read with a typed error
 (``corrupt_checkpoint``: convert again once nothing writes the source), and nothing is published.
 
-One view per opened checkpoint (``ckptconv.formats.detect.open_source``), shared by the threads
-that read it; the storage instances behind it are shared by every job of the process and know
-nothing of versions. :meth:`PinnedReads.pin` takes versions recorded elsewhere: the processes of a
-fanned-out job read the versions the job's plan read. Only object stores have versions to pin;
-local files are read as they are.
+One view per opened checkpoint (``ckptconv.formats.detect.open_source``; the components of a model
+whose Hugging Face side is several directories share one), shared by the threads that read it;
+the storage instances behind it are shared by every job of the process and know nothing of
+versions. :meth:`PinnedReads.pin` takes versions recorded elsewhere: the processes of a
+fanned-out job read the versions the job's plan read, each checked at its first read (no request of
+its own). Only object stores have versions to pin; local files are read as they are, and a weak
+ETag (a proxy's) pins nothing.
 """
 
 from __future__ import annotations
@@ -40,34 +42,50 @@ class PinnedReads(Storage):
         self.scheme = inner.scheme
         self.read_parallelism = inner.read_parallelism
         self.coalesce_bytes = inner.coalesce_bytes
-        self._versions: dict[str, ObjectInfo] = {}
+        self._versions: dict[str, ObjectInfo] = {}  # uri -> the version met first
+        self._expected: dict[str, str] = {}  # uri -> the ETag it must have, not met yet (pin)
         self._lock = threading.Lock()
 
     # --- versions
 
     def pin(self, uri: str, etag: str) -> None:
-        """Read ``uri`` as version ``etag`` from now on: an object already met as another version
-        is refused at once."""
+        """Read ``uri`` as version ``etag`` only: an object met as another version is refused now,
+        one not met yet at its first read (that read asks for ``etag``), at no request of its own."""
         with self._lock:
             known = self._versions.get(uri)
-        if known is None:
-            info = self.inner.stat(uri)
-            known = self._remember(info)
+            if known is None:
+                self._expected[uri] = etag
+                return
         if known.etag != etag:
             raise replaced(uri, f"since the job first read it (its ETag is {known.etag}, not {etag})")
 
-    def _remember(self, info: ObjectInfo) -> ObjectInfo:
+    def _known(self, uri: str) -> tuple[ObjectInfo | None, str | None]:
+        """The version met first, else the ETag a first read must ask for (either may be None)."""
         with self._lock:
+            known = self._versions.get(uri)
+            return known, (known.etag if known is not None else self._expected.get(uri))
+
+    def _learn(self, info: ObjectInfo) -> ObjectInfo:
+        """The version of ``info.uri`` met first: ``info`` unless an earlier answer (or a pin) met
+        another version, which is refused (two first reads raced across a replacement)."""
+        with self._lock:
+            first = self._versions.get(info.uri)
+            want = first.etag if first is not None else self._expected.get(info.uri)
+            if want is not None and info.etag != want:
+                raise replaced(info.uri, f"while it was being read (ETag {want}, then {info.etag})")
             return self._versions.setdefault(info.uri, info)
 
     def _version(self, uri: str) -> ObjectInfo:
-        with self._lock:
-            known = self._versions.get(uri)
-        return known if known is not None else self._remember(self.inner.stat(uri))
+        known, _ = self._known(uri)
+        return known if known is not None else self._learn(self.inner.stat(uri))
 
-    def _etag(self, uri: str) -> dict[str, str]:
-        etag = self._version(uri).etag
-        return {"etag": etag} if etag else {}
+    def _condition(self, uri: str) -> dict[str, str]:
+        """The ``etag`` argument of a read of ``uri``: the version met first, or the one pinned;
+        none for a weak ETag (a proxy's, not the object's bytes) or a store that gives none."""
+        known, etag = self._known(uri)
+        if known is None and etag is None:
+            etag = self._version(uri).etag
+        return _if_match(etag)
 
     # --- reads, each of the version pinned
 
@@ -75,26 +93,27 @@ class PinnedReads(Storage):
         return self._version(uri)
 
     def read_range(self, uri: str, offset: int, length: int) -> bytes:
-        return self.inner.read_range(uri, offset, length, **self._etag(uri))
+        return self.inner.read_range(uri, offset, length, **self._condition(uri))
 
     def read_into(self, uri: str, offset: int, buf: bytearray | memoryview) -> None:
-        self.inner.read_into(uri, offset, buf, **self._etag(uri))
+        self.inner.read_into(uri, offset, buf, **self._condition(uri))
 
     def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview]) -> None:
-        self.inner.read_scattered(uri, offset, bufs, **self._etag(uri))
+        self.inner.read_scattered(uri, offset, bufs, **self._condition(uri))
 
     def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
-        with self._lock:
-            known = self._versions.get(uri)
-        if known is None:  # the first answer tells the version
-            data, info = self.inner.read_head(uri, length, offset=offset)
-            first = self._remember(info)
-            if first.etag != info.etag:  # two first reads raced and met two versions
-                raise replaced(uri, f"while it was being read (ETag {first.etag}, then {info.etag})")
-            return data, first
-        version = {"etag": known.etag} if known.etag else {}
-        data, _ = self.inner.read_head(uri, length, offset=offset, **version)
-        return data, known
+        known, etag = self._known(uri)
+        data, info = self.inner.read_head(uri, length, offset=offset, **_if_match(etag))
+        return data, known if known is not None else self._learn(info)
+
+    def user_metadata(self, uri: str) -> dict[str, str]:
+        """The object's user metadata (an object store's), from the version read first: one
+        conditional HEAD, which tells the version when it is the first request for ``uri``."""
+        known, etag = self._known(uri)
+        info, metadata = self.inner.described(uri, **_if_match(etag))  # type: ignore[attr-defined]
+        if known is None:
+            self._learn(info)
+        return metadata
 
     def open_reader(self, uri: str) -> BinaryIO:
         # Read through this view, so that every block is of the pinned version.
@@ -137,6 +156,12 @@ class PinnedReads(Storage):
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _if_match(etag: str | None) -> dict[str, str]:
+    """The ``etag`` argument that makes a read conditional on that version; none for a weak ETag
+    (``W/...``: a proxy's, which says nothing of the bytes) or a store that gave none."""
+    return {"etag": etag} if etag and not etag.startswith("W/") else {}
 
 
 def hold_versions(storage: Storage, versions: Iterable[tuple[str, str | None]]) -> None:

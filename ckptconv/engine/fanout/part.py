@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ckptconv.core.errors import TargetExists, VerificationFailed
+from ckptconv.core.errors import CorruptCheckpoint, TargetExists, VerificationFailed
 from ckptconv.core.fencing import fence
 from ckptconv.core.uri import normalize_uri
 from ckptconv.engine.execute import (
@@ -19,7 +19,7 @@ from ckptconv.engine.execute import (
     check_written,
     value_digest,
 )
-from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri, check_layout, layout_memory
+from ckptconv.engine.fanout.records import _gaps_uri, _home, _part_uri, check_layout, layout_memory, plan_digest
 from ckptconv.engine.fanout.runner import PartRunner
 from ckptconv.engine.fanout.tail import HeldUpload, held_uri
 from ckptconv.engine.plan import Plan, Step
@@ -128,6 +128,12 @@ def run_part(
     # This process opened the source anew: it must read what the plan read, not an object put
     # under the same key since (ckptconv.storage.pinned).
     hold_versions(src.storage, [(f["uri"], f.get("etag")) for f in doc["sources"]])
+    if plan_digest(plan) != doc["plan_digest"]:
+        raise CorruptCheckpoint(
+            "this part's plan differs from the job's: the checkpoint (or the model's config) changed since the "
+            "job planned it",
+            hint="convert again once nothing writes the source any more",
+        )
     files = [FileLayout.from_dict(f) for f in doc["files"]]
     steps = {s.out.key: s for s in plan.steps}
     gaps: dict[int, bytes] = {}

@@ -9,6 +9,7 @@ files and the part records; its parts and its commit work there.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from ckptconv.core.bounded import load_json
 from ckptconv.core.errors import ObjectNotFound, VerificationFailed
 from ckptconv.core.uri import basename, parent
+from ckptconv.engine.execute import value_digest
 from ckptconv.engine.plan import Plan
 from ckptconv.engine.staging import _Layout
 from ckptconv.storage.base import Storage
@@ -26,12 +28,22 @@ from ckptconv.storage.part_upload import upload_buffer_bytes
 FANOUT_DIR = ".fanout"
 # The layout document's version, part of the plan key: an earlier fan-out of another version (a
 # local one whose parts recorded no blocks; 2: block hashes in sha256, not BLAKE3; 3: no source
-# versions for the parts to read) is never adopted.
+# versions and plan digest for the parts to check) is never adopted.
 # Raised whenever a field this code reads is added or changes meaning.
 LAYOUT_VERSION = 4
 # What this version reads of the layout document and of a part's record. In a rolling deploy a part
 # or a commit may meet either written by another version: a typed failure of the job, not a KeyError.
-_LAYOUT_FIELDS = ("files", "parts", "part_size", "block_size", "digests", "read_digests", "side_files", "sources")
+_LAYOUT_FIELDS = (
+    "files",
+    "parts",
+    "part_size",
+    "block_size",
+    "digests",
+    "read_digests",
+    "side_files",
+    "sources",
+    "plan_digest",
+)
 _RECORD_FIELDS = ("ranges", "uploaded", "digest", "digests", "read_digests")
 _OTHER_VERSION_HINT = "nothing was published; submit the job again once every worker runs the same version of ckptconv"
 
@@ -96,6 +108,19 @@ def _read_doc(storage: Storage, uri: str) -> dict[str, Any] | None:
         return load_json(storage.read_all(uri), what=uri)
     except ObjectNotFound:
         return None
+
+
+def plan_digest(plan: Plan) -> str:
+    """A digest of what a part rebuilds from the source's metadata (and a model's config): the
+    plan's entries and recipes and its constant values. Equal in every process that read the same
+    metadata; a part whose digest differs from the layout's read other metadata than the job's."""
+    constants = {
+        s.out.key: value_digest(s.out.value)
+        for s in plan.steps
+        if not s.inputs and s.out.kind != "link" and s.out.value is not None
+    }
+    facts = {"plan": plan.to_dict(), "constants": constants}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def check_layout(doc: dict[str, Any]) -> None:

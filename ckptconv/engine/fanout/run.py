@@ -25,6 +25,7 @@ from ckptconv.engine.fanout.records import (
     _part_uri,
     _read_doc,
     _recorded_parts,
+    plan_digest,
 )
 from ckptconv.engine.fanout.runner import InlineRunner, PartRunner
 from ckptconv.engine.fanout.split import grid_part_size, local_block_size, split_parts
@@ -128,8 +129,10 @@ def _prepare(
         "read_digests": read_digests,
         "late": late,
         "memory": memory,
-        # The versions of the source's files the plan read (size, ETag): each part reads those.
+        # The versions of the source's files the plan read (size, ETag) and what the plan is: each
+        # part reads those versions and checks the plan it rebuilds from them.
         "sources": source_facts(src)["files"],
+        "plan_digest": plan_digest(plan),
     }
     # The layout document makes this staging area adoptable by a later attempt: a stale attempt
     # never writes it (it discards its staging area instead, see run_fanout).
@@ -161,16 +164,10 @@ def _plan_key(
     """What decides a fan-out's layout and bytes: the plan (entries, recipes, constant values), the
     source's files (sizes and ETags), the format and its options, the parts, the extra files and
     this version's code. Two attempts with one key write the same bytes to the same places."""
-    constants = {
-        s.out.key: value_digest(s.out.value)
-        for s in plan.steps
-        if not s.inputs and s.out.kind != "link" and s.out.value is not None
-    }
     facts = {
         "version": __version__,
         "layout": LAYOUT_VERSION,
-        "plan": plan.to_dict(),
-        "constants": constants,
+        "plan": plan_digest(plan),
         "source": source_facts(src)["files"],
         "to": to,
         "parallelism": parallelism,

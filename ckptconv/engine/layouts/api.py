@@ -41,6 +41,7 @@ from ckptconv.engine.run import ConvertResult, run_plan
 from ckptconv.formats.components import ComponentSink, ComponentSource
 from ckptconv.formats.detect import open_source
 from ckptconv.storage import open_storage
+from ckptconv.storage.pinned import pin_reads
 
 if TYPE_CHECKING:  # for annotations only
     from ckptconv.engine.execute import Progress
@@ -138,7 +139,7 @@ def open_model_source(uri: str, model: str | None = None, src_fmt: str | None = 
     table = model_table(model) if model is not None else None
     if table is not None and table.kind == COMPOSITE and src_fmt == "hf":
         uri = normalize_uri(uri)
-        return ComponentSource(open_storage(uri), uri, table.components)
+        return ComponentSource(pin_reads(open_storage(uri)), uri, table.components)
     return open_source(uri, fmt)
 
 

@@ -17,7 +17,7 @@ from ckptconv.core.fencing import current_attempt
 from ckptconv.core.uri import join as join_uri
 from ckptconv.core.uri import s3_uri, split_s3
 from ckptconv.storage.base import OWNER_METADATA, STREAM_PART_SIZE, ObjectInfo, RangeReader, Storage, Writer
-from ckptconv.storage.ranges import check_range
+from ckptconv.storage.ranges import check_range, replaced
 from ckptconv.storage.retry import RetryPolicy
 from ckptconv.storage.s3.client import (
     MAX_POOL_CONNECTIONS,
@@ -164,9 +164,16 @@ class S3Storage(Storage):
     def stat(self, uri: str) -> ObjectInfo:
         return _info_of(uri, self._head(uri, *self._object(uri)))
 
-    def _head(self, uri: str, bucket: str, key: str) -> dict[str, Any]:
+    def _head(self, uri: str, bucket: str, key: str, etag: str | None = None) -> dict[str, Any]:
+        condition = {"IfMatch": _quoted(etag)} if etag else {}
+
         def attempt() -> dict[str, Any]:
-            r = self.client.head_object(Bucket=bucket, Key=key)
+            try:
+                r = self.client.head_object(Bucket=bucket, Key=key, **condition)
+            except ClientError as e:
+                if condition and _precondition_failed(e):
+                    raise replaced(uri, f"since it was first read (its ETag is no longer {etag})") from None
+                raise
             if r.get("ContentLength") is None or r.get("LastModified") is None:
                 raise TruncatedResponse("HeadObject answered without Content-Length or Last-Modified")
             return r
@@ -175,8 +182,13 @@ class S3Storage(Storage):
 
     def user_metadata(self, uri: str) -> dict[str, str]:
         """The object's user metadata (``x-amz-meta-*``), keys lowercased as S3 returns them."""
-        bucket, key = self._object(uri)
-        return dict(self._head(uri, bucket, key).get("Metadata", {}))
+        return self.described(uri)[1]
+
+    def described(self, uri: str, *, etag: str | None = None) -> tuple[ObjectInfo, dict[str, str]]:
+        """The object's facts and its user metadata, from one HEAD; with ``etag``, of that version
+        or refused (CorruptCheckpoint)."""
+        head = self._head(uri, *self._object(uri), etag)
+        return _info_of(uri, head), dict(head.get("Metadata", {}))
 
     # The reads take ``etag``: given, every GET is of that version of the object or refused
     # (CorruptCheckpoint), see ckptconv.storage.pinned.
