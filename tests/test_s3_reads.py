@@ -313,6 +313,26 @@ def test_a_version_pinned_before_the_first_read_costs_no_request_and_is_checked_
     assert [m for m, _ in seen] == ["GET"]  # one conditional GET, refused; no HEAD before it
 
 
+def test_user_metadata_is_of_the_version_read(s3_bucket, s3_server):
+    # A cs-s3 object's dtype and shape are in its user metadata: from the version whose bytes are read.
+    from ckptconv.storage.pinned import PinnedReads
+
+    uri = f"s3://{s3_bucket}/m/obj"
+    storage = S3Storage(s3_server)
+
+    def put(data: bytes, meta: str) -> None:
+        with storage.open_writer(uri, overwrite=True, metadata={"metadata": meta}) as w:
+            w.write(data)
+
+    put(b"\0" * 16, '{"dtype": "float32"}')
+    pinned = PinnedReads(S3Storage(s3_server))
+    assert pinned.user_metadata(uri) == {"metadata": '{"dtype": "float32"}'}  # tells the version too
+    assert pinned.read_range(uri, 0, 4) == b"\0" * 4
+    put(b"\1" * 16, '{"dtype": "int32"}')
+    with pytest.raises(CorruptCheckpoint, match="was replaced"):
+        pinned.user_metadata(uri)
+
+
 def test_a_weak_etag_pins_nothing(s3_bucket, s3_server, monkeypatch):
     # A proxy that compresses answers weakens ETags (W/"..."): they say nothing of the bytes and
     # an If-Match with one is refused, so reads through such a proxy are not made conditional.
