@@ -526,7 +526,7 @@ def test_a_bool_h5_dataset_read_with_its_neighbours_is_checked(s3_bucket, s3_ser
     blob[mask.offset + 1] = 7  # neither 0 nor 1
     damaged = f"s3://{s3_bucket}/joined/damaged.mdl"
     storage.write_bytes(damaged, bytes(blob))
-    with open_source(damaged, "cs-h5") as src, pytest.raises(CorruptCheckpoint, match="'mask': bool dataset"):
+    with open_source(damaged, "cs-h5") as src, pytest.raises(CorruptCheckpoint, match="'mask': bool tensor"):
         src.read_neighbours(["a", "mask"])
 
 
