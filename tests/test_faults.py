@@ -186,6 +186,48 @@ def test_an_unreachable_object_store_at_submit_is_a_503_with_retry_after(api: Se
     assert again.json()["id"] == made.json()["id"]
 
 
+def test_an_object_store_that_never_answers_at_submit_is_a_503_within_the_check_timeout(api: Service) -> None:
+    # It takes the connection and sends nothing: the target check gives up at its timeout instead
+    # of holding the submission for the store's own timeouts and retries.
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        stalled.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(stalled.accept()[0])
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        url = api.start_api(
+            AWS_ENDPOINT_URL=f"http://127.0.0.1:{stalled.getsockname()[1]}", CKPTCONV_TARGET_CHECK_TIMEOUT_SECONDS="2"
+        )
+        r = httpx.post(
+            url + "/v1/jobs",
+            json={
+                "kind": "convert",
+                "source": {"uri": f"s3://{api.bucket}/team/in/model.safetensors"},
+                "target": {"uri": f"s3://{api.bucket}/team/stalled/model.mdl", "format": "cs-h5"},
+            },
+            headers={"Authorization": f"Bearer {api.key}"},
+            timeout=30,
+        )
+        assert r.status_code == 503 and r.json()["code"] == "storage_unavailable", r.text
+        assert int(r.headers["retry-after"]) > 0 and r.json()["correlation_id"]
+        assert held  # the store was reached, and never answered
+    finally:
+        stop.set()
+        acceptor.join()
+        for conn in held:
+            conn.close()
+        stalled.close()
+
+
 # --- publication never replaces bytes it did not write -----------------------------------------
 
 
