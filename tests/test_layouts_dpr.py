@@ -105,6 +105,34 @@ def test_hf_to_cs_and_back(tmp_path: Path) -> None:
             assert torch.equal(before(ids).pooler_output, loaded(ids).pooler_output)
 
 
+def test_a_failure_after_one_encoder_is_staged_publishes_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The two encoders are staged, verified and published together: the second one's writer
+    # failing once the first one's files are complete leaves no directory of either.
+    from ckptconv.core.errors import StorageError
+    from ckptconv.formats.components import ComponentSink
+
+    _dpr(tmp_path / "hf")
+    r = convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="dpr", src_fmt="hf", tgt_fmt="cs-2.9")
+    cfg_path = next(o.uri for o in r.outputs if o.uri.endswith(".yaml"))
+    committed: list[str] = []
+
+    def commit_then_fail(self: ComponentSink) -> list:
+        names = list(self.sinks)
+        self.sinks[names[0]].commit()
+        committed.append(names[0])
+        raise StorageError(f"{names[1]}: the disk failed")  # as the second encoder's files close
+
+    monkeypatch.setattr(ComponentSink, "_commit", commit_then_fail)
+    back = tmp_path / "back"
+    with pytest.raises(StorageError, match="the disk failed"):
+        convert_model(r.target, str(back), model="dpr", src_fmt="cs-2.9", tgt_fmt="hf", config=cfg_path)
+    assert committed == ["q_encoder"]
+    assert not back.exists() or not any(p.is_file() for p in back.rglob("*")), sorted(back.rglob("*"))
+    assert not list(tmp_path.rglob(".ckptconv-staging"))  # nothing staged is left either
+
+
 def test_release_2_2_settings_and_refusals(tmp_path: Path) -> None:
     _dpr(tmp_path / "hf")
     r = convert_model(str(tmp_path / "hf"), str(tmp_path / "cs"), model="dpr", src_fmt="hf", tgt_fmt="cs-2.2")
