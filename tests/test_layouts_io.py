@@ -56,6 +56,35 @@ def test_bf16_is_preserved_and_sharded_index_in_and_out(tmp_path: Path) -> None:
     assert set(weight_map) == set(got)
 
 
+def test_a_llama_layout_conversion_between_safetensors_and_h5_never_imports_torch(tmp_path: Path) -> None:
+    # Its rules copy tensors and reorder rotary rows: bytes in, bytes out, both ways.
+    import os
+    import subprocess
+    import sys
+
+    _llama(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    root = Path(__file__).resolve().parent.parent
+    script = (
+        "import sys\n"
+        "from ckptconv.engine.layouts.api import convert_model\n"
+        "hf, cs, back = sys.argv[1:4]\n"
+        "r = convert_model(hf, cs, model='llama', src_fmt='hf', tgt_fmt='cs-2.9')\n"
+        "b = convert_model(r.target, back, model='llama', src_fmt='cs-2.9', tgt_fmt='hf',\n"
+        "                  config=cs + '/config_to_cs-2.9.yaml', export_safetensors=True)\n"
+        "assert r.verify['ok'] and b.verify['ok'], (r.verify, b.verify)\n"
+        "print('torch' in sys.modules, b.target)\n"
+    )
+    args = [str(tmp_path / "hf"), str(tmp_path / "cs"), str(tmp_path / "back")]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported, back = out.stdout.split()
+    assert imported == "False"
+    orig, got = _tensors(tmp_path / "hf"), _tensors(Path(back))
+    for k, v in orig.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v), k
+
+
 def test_bin_input_with_tied_duplicates_is_copied_not_filled(tmp_path: Path) -> None:
     model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128))
     (tmp_path / "hf").mkdir()
