@@ -152,7 +152,7 @@ class PinnedReads(Storage):
         return self.inner.local_path(uri)
 
     def __getattr__(self, name: str) -> Any:
-        # A backend's own capabilities (read_part_size, user_metadata, ...), as it has them.
+        # A backend's own capabilities (read_part_size, read_concurrency, ...), as it has them.
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.inner, name)
