@@ -253,6 +253,22 @@ def test_convert_model_options_take_dpo_formats() -> None:
             ConvertModelOptions(**{"model": "dpo", "src_fmt": "hf", "tgt_fmt": "cs-2.9-dpo", **bad})
 
 
+def test_a_composite_model_fanned_out_to_its_hf_directories_is_refused_at_submission() -> None:
+    from pydantic import ValidationError
+
+    from ckptconv.jobs.kinds import ConvertModelOptions
+
+    with pytest.raises(ValidationError, match="several model directories"):
+        ConvertModelOptions(model="dpr", src_fmt="cs-2.9", tgt_fmt="hf", parallelism=2)
+    for fine in (
+        {"tgt_fmt": "hf", "parallelism": "auto"},  # picks 1
+        {"tgt_fmt": "hf", "parallelism": 1},
+        {"src_fmt": "hf", "tgt_fmt": "cs-2.9", "parallelism": 2},  # one .mdl: fans out
+    ):
+        ConvertModelOptions(**{"model": "dpr", "src_fmt": "cs-2.9", **fine})
+    ConvertModelOptions(model="llama", src_fmt="cs-2.9", tgt_fmt="hf", parallelism=2)
+
+
 def _lz4_datasets(path: Path) -> dict[str, bool]:
     """Every numeric dataset of a cs-h5 file with more than one element: LZ4-chunked or not."""
     import h5py

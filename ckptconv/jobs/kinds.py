@@ -127,7 +127,8 @@ Parallelism = Annotated[
         " and committed together (any target format; not a cs-h5 output with h5_compression lz4)."
         " The output is byte for byte the single-worker output. auto: one part per"
         " CKPTCONV_AUTO_PARALLELISM_PART_BYTES of output (2 GiB), at most CKPTCONV_AUTO_PARALLELISM_MAX (16);"
-        " 1 for an output that cannot be split (a composite model, a cs-h5 output with h5_compression lz4)",
+        " 1 for an output that cannot be split (a composite model's HF directories, a cs-h5 output with"
+        " h5_compression lz4)",
         examples=[4, "auto"],
     ),
 ]
@@ -277,6 +278,21 @@ class ConvertModelOptions(KindOptions):
     @model_validator(mode="after")
     def _one_writer_for_lz4(self) -> ConvertModelOptions:
         return _one_writer_for_lz4(self)
+
+    @model_validator(mode="after")
+    def _one_writer_for_several_directories(self) -> ConvertModelOptions:
+        """Refused at submission rather than when the job runs: the Hugging Face side of a composite
+        model (DPR's two encoders) is several directories, which one worker writes ("auto" picks 1)."""
+        if self.tgt_fmt == "hf" and isinstance(self.parallelism, int) and self.parallelism > 1:
+            from ckptconv.engine.layouts.family import COMPOSITE
+            from ckptconv.engine.layouts.registry import model_table
+
+            table = model_table(self.model)
+            if table is not None and table.kind == COMPOSITE:
+                raise ValueError(
+                    f"{self.model} writes several model directories: one worker writes them (parallelism 1 or auto)"
+                )
+        return self
 
 
 def _one_writer_for_lz4(options: Any) -> Any:
