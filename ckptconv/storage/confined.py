@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 from ckptconv.core.scopes import Scopes
 from ckptconv.storage.base import BLOCK_SIZE, STREAM_PART_SIZE, ObjectInfo, Storage, Writer
 from ckptconv.storage.digests import ALGORITHM
+from ckptconv.storage.pinned import if_match
 
 _scopes: contextvars.ContextVar[Scopes | None] = contextvars.ContextVar("ckptconv_storage_scopes", default=None)
 _default: Scopes | None = None
@@ -92,20 +93,19 @@ class ConfinedStorage(Storage):
         self._check(uri)
         return self.inner.exists(uri)
 
-    # ``etag`` (a version to read, see ckptconv.storage.pinned) is passed on only when given: only
-    # object stores take it.
+    # ``etag``: a version to read (ckptconv.storage.pinned).
 
     def read_range(self, uri: str, offset: int, length: int, *, etag: str | None = None) -> bytes:
         self._check(uri)
-        return self.inner.read_range(uri, offset, length, **_version(etag))
+        return self.inner.read_range(uri, offset, length, **if_match(etag))
 
     def read_into(self, uri: str, offset: int, buf: bytearray | memoryview, *, etag: str | None = None) -> None:
         self._check(uri)
-        self.inner.read_into(uri, offset, buf, **_version(etag))
+        self.inner.read_into(uri, offset, buf, **if_match(etag))
 
     def read_scattered(self, uri: str, offset: int, bufs: Sequence[memoryview], *, etag: str | None = None) -> None:
         self._check(uri)
-        self.inner.read_scattered(uri, offset, bufs, **_version(etag))
+        self.inner.read_scattered(uri, offset, bufs, **if_match(etag))
 
     def read_all(self, uri: str) -> bytes:
         self._check(uri)
@@ -113,7 +113,7 @@ class ConfinedStorage(Storage):
 
     def read_head(self, uri: str, length: int, *, offset: int = 0, etag: str | None = None) -> tuple[bytes, ObjectInfo]:
         self._check(uri)
-        return self.inner.read_head(uri, length, offset=offset, **_version(etag))
+        return self.inner.read_head(uri, length, offset=offset, **if_match(etag))
 
     def open_reader(self, uri: str) -> BinaryIO:
         self._check(uri)
@@ -190,7 +190,3 @@ class ConfinedStorage(Storage):
 
 
 _URI_CAPABILITIES = frozenset({"user_metadata", "described", "delete_owned"})
-
-
-def _version(etag: str | None) -> dict[str, str]:
-    return {"etag": etag} if etag else {}

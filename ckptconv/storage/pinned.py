@@ -85,7 +85,7 @@ class PinnedReads(Storage):
         known, etag = self._known(uri)
         if known is None and etag is None:
             etag = self._version(uri).etag
-        return _if_match(etag)
+        return if_match(etag)
 
     # --- reads, each of the version pinned
 
@@ -103,14 +103,14 @@ class PinnedReads(Storage):
 
     def read_head(self, uri: str, length: int, *, offset: int = 0) -> tuple[bytes, ObjectInfo]:
         known, etag = self._known(uri)
-        data, info = self.inner.read_head(uri, length, offset=offset, **_if_match(etag))
+        data, info = self.inner.read_head(uri, length, offset=offset, **if_match(etag))
         return data, known if known is not None else self._learn(info)
 
     def user_metadata(self, uri: str) -> dict[str, str]:
         """The object's user metadata (an object store's), from the version read first: one
         conditional HEAD, which tells the version when it is the first request for ``uri``."""
         known, etag = self._known(uri)
-        info, metadata = self.inner.described(uri, **_if_match(etag))  # type: ignore[attr-defined]
+        info, metadata = self.inner.described(uri, **if_match(etag))  # type: ignore[attr-defined]
         if known is None:
             self._learn(info)
         return metadata
@@ -158,9 +158,10 @@ class PinnedReads(Storage):
         return getattr(self.inner, name)
 
 
-def _if_match(etag: str | None) -> dict[str, str]:
-    """The ``etag`` argument that makes a read conditional on that version; none for a weak ETag
-    (``W/...``: a proxy's, which says nothing of the bytes) or a store that gave none."""
+def if_match(etag: str | None) -> dict[str, str]:
+    """The ``etag`` argument that makes a read conditional on that version (passed on only when
+    there is one: only object stores take it); none for a weak ETag (``W/...``: a proxy's, which
+    says nothing of the bytes) or a store that gave none."""
     return {"etag": etag} if etag and not etag.startswith("W/") else {}
 
 

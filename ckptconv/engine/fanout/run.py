@@ -58,9 +58,12 @@ def _prepare(
     sink_options: dict[str, Any],
     extra_files: dict[str, bytes],
     plan_key: str,
+    planned: str,
     job_id: str | None,
     memory_budget: int | str | None = None,
 ) -> dict[str, Any]:
+    """Lay the output out in staging and write its layout document (``planned``: the plan's
+    digest, also part of ``plan_key``)."""
     storage = layout.storage
     options = given_options(sink_options)
     if to in ("cs-h5", "tf", "cs-s3"):
@@ -132,7 +135,7 @@ def _prepare(
         # The versions of the source's files the plan read (size, ETag) and what the plan is: each
         # part reads those versions and checks the plan it rebuilds from them.
         "sources": source_facts(src)["files"],
-        "plan_digest": plan_digest(plan),
+        "plan_digest": planned,
     }
     # The layout document makes this staging area adoptable by a later attempt: a stale attempt
     # never writes it (it discards its staging area instead, see run_fanout).
@@ -153,7 +156,7 @@ def _part_memory(
 
 
 def _plan_key(
-    plan: Plan,
+    planned: str,
     src: TensorSource,
     *,
     to: str,
@@ -161,13 +164,14 @@ def _plan_key(
     sink_options: dict[str, Any],
     extra_files: dict[str, bytes],
 ) -> str:
-    """What decides a fan-out's layout and bytes: the plan (entries, recipes, constant values), the
-    source's files (sizes and ETags), the format and its options, the parts, the extra files and
-    this version's code. Two attempts with one key write the same bytes to the same places."""
+    """What decides a fan-out's layout and bytes: the plan (``planned``: its digest, of its entries,
+    recipes and constant values), the source's files (sizes and ETags), the format and its options,
+    the parts, the extra files and this version's code. Two attempts with one key write the same
+    bytes to the same places."""
     facts = {
         "version": __version__,
         "layout": LAYOUT_VERSION,
-        "plan": plan_digest(plan),
+        "plan": planned,
         "source": source_facts(src)["files"],
         "to": to,
         "parallelism": parallelism,
@@ -219,7 +223,8 @@ def run_fanout(
         return done
     _discard(layout)  # a previous try of this attempt may have left a partial staging area
     options = {"sink_options": sink_options or {}, "extra_files": extra_files or {}}
-    key = _plan_key(plan, src, to=to, parallelism=parallelism, **options)
+    planned = plan_digest(plan)
+    key = _plan_key(planned, src, to=to, parallelism=parallelism, **options)
     t0 = time.monotonic()
     count = 0
     home, doc = layout, None
@@ -234,6 +239,7 @@ def run_fanout(
                 to=to,
                 parallelism=parallelism,
                 plan_key=key,
+                planned=planned,
                 job_id=job_id,
                 memory_budget=memory_budget,
                 **options,

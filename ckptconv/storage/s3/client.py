@@ -128,6 +128,12 @@ def clean_etag(value: str | None) -> str | None:
     return value.strip('"') if value else None
 
 
+def precondition_failed(e: ClientError) -> bool:
+    """Whether S3 refused a conditional request (If-Match, If-None-Match, CopySourceIfMatch): 412."""
+    code, status = error_code(e)
+    return code in ("PreconditionFailed", "412") or status == 412
+
+
 def error_code(e: ClientError) -> tuple[str, int | None]:
     code = str(e.response.get("Error", {}).get("Code", ""))
     status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -155,7 +161,7 @@ def typed_error(e: ClientError, uri: str) -> Exception:
         return ObjectNotFound(f"no object at {uri}", uri=uri)
     if code in _DENIED_CODES or status == 403:
         return StorageError(f"access denied to {uri} ({code}: {message})", hint=_CREDENTIALS_HINT, uri=uri)
-    if code in ("PreconditionFailed", "412") or status == 412:
+    if precondition_failed(e):
         # Create-only writes send If-None-Match: *; a copy whose CopySourceIfMatch fails tells
         # the two apart itself (S3Storage._copy_object).
         return TargetExists(f"{uri} already exists", uri=uri)

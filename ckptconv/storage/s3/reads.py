@@ -48,7 +48,7 @@ from botocore.exceptions import ClientError
 
 from ckptconv.core.sizes import parse_size
 from ckptconv.storage.ranges import replaced, short_read
-from ckptconv.storage.s3.client import TruncatedResponse, error_code
+from ckptconv.storage.s3.client import TruncatedResponse, error_code, precondition_failed
 
 DEFAULT_READ_CONCURRENCY = 8
 DEFAULT_READ_PART_SIZE = 16 << 20
@@ -152,7 +152,7 @@ class RangedGets:
                     code, status = error_code(e)
                     if code == "InvalidRange" or status == 416:
                         return b"", {"size": None}
-                    if etag and (code == "PreconditionFailed" or status == 412):
+                    if etag and precondition_failed(e):
                         raise replaced(uri, f"while it was being read (its ETag is no longer {etag})") from None
                     raise
                 body = r["Body"]
@@ -210,7 +210,7 @@ class RangedGets:
             if code == "InvalidRange" or status == 416:  # the range starts at or past the end
                 size = e.response.get("Error", {}).get("ActualObjectSize")
                 raise short_read(uri, offset, length, done[0], int(size) if size else None) from None
-            if condition and (code == "PreconditionFailed" or status == 412):
+            if condition and precondition_failed(e):
                 raise replaced(uri, f"while it was being read (its ETag is no longer {etag[0]})") from None
             raise
         if not etag and r.get("ETag"):

@@ -27,6 +27,7 @@ from ckptconv.storage.s3.client import (
     error_code,
     make_client,
     not_implemented,
+    precondition_failed,
     s3_errors,
     transient,
 )
@@ -171,7 +172,7 @@ class S3Storage(Storage):
             try:
                 r = self.client.head_object(Bucket=bucket, Key=key, **condition)
             except ClientError as e:
-                if condition and _precondition_failed(e):
+                if condition and precondition_failed(e):
                     raise replaced(uri, f"since it was first read (its ETag is no longer {etag})") from None
                 raise
             if r.get("ContentLength") is None or r.get("LastModified") is None:
@@ -501,7 +502,7 @@ class S3Storage(Storage):
         except TargetExists as e:
             # A 412 answers either precondition: If-None-Match (an object is at ``dst``) or
             # CopySourceIfMatch (the source changed). Only the target's presence tells which.
-            refused = isinstance(e.__cause__, ClientError) and _precondition_failed(e.__cause__)
+            refused = isinstance(e.__cause__, ClientError) and precondition_failed(e.__cause__)
             if refused and info.etag and (overwrite or not self.exists(dst)):
                 raise _source_changed(src) from None
             raise
@@ -537,8 +538,7 @@ class S3Storage(Storage):
                         **pinned,
                     )
                 except ClientError as e:
-                    code, status = error_code(e)
-                    if pinned and (code == "PreconditionFailed" or status == 412):
+                    if pinned and precondition_failed(e):
                         raise _source_changed(src) from None
                     raise
 
@@ -598,11 +598,6 @@ def _info_of(uri: str, head: dict[str, Any]) -> ObjectInfo:
 
 def _source_changed(uri: str) -> VerificationFailed:
     return VerificationFailed(f"{uri} changed after publication checked it; nothing was published from it", uri=uri)
-
-
-def _precondition_failed(e: ClientError) -> bool:
-    code, status = error_code(e)
-    return code in ("PreconditionFailed", "412") or status == 412
 
 
 def _same_object(got: ObjectInfo, source: ObjectInfo) -> bool:
