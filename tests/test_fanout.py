@@ -350,19 +350,21 @@ def test_records_written_by_another_version_fail_the_job_typed_and_publish_nothi
     assert not (out / ".ckptconv-staging").exists()
 
 
-class _TamperedRecords(_OlderRecords):
-    """Part 1's record (or the layout) as storage returns it after someone changed it: what the
-    commit must refuse rather than publish."""
+def _edit_doc(out: Path, name: str, change: Callable[[dict], None]) -> None:
+    """Change the fan-out document ``name`` (the layout, a part's record) of the run writing under ``out``."""
+    [path] = out.rglob(name)
+    doc = json.loads(path.read_bytes())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+class _TamperedRecords(InlineRunner):
+    """Part 1's record as storage returns it after someone changed it: what the commit must refuse
+    rather than publish."""
 
     def __init__(self, out: Path, how: str) -> None:
-        super().__init__(out, "", "")
-        self.how = how
-
-    def _edit(self, name: str, change: Callable[[dict], None]) -> None:
-        [path] = self.out.rglob(name)
-        doc = json.loads(path.read_bytes())
-        change(doc)
-        path.write_text(json.dumps(doc))
+        super().__init__()
+        self.out, self.how = out, how
 
     @contextlib.contextmanager
     def claim(self, index: int) -> Iterator[bool]:
@@ -377,7 +379,7 @@ class _TamperedRecords(_OlderRecords):
                 key = next(iter(doc[self.how]))
                 doc[self.how][key] = "0" * 32
 
-        self._edit("part-00001.json", change)
+        _edit_doc(self.out, "part-00001.json", change)
 
 
 @pytest.mark.parametrize(
@@ -450,9 +452,7 @@ class _PlannedFromOtherMetadata(InlineRunner):
         self.out = out
 
     def dispatch(self, count: int) -> None:
-        [path] = self.out.rglob("layout.json")
-        doc = json.loads(path.read_bytes())
-        path.write_text(json.dumps({**doc, "plan_digest": "0" * 64}))
+        _edit_doc(self.out, "layout.json", lambda doc: doc.update(plan_digest="0" * 64))
         super().dispatch(count)
 
 

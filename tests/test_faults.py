@@ -154,23 +154,30 @@ def test_an_existing_directory_or_bundle_target_is_refused_at_submit(api: Servic
     assert submit(f"s3://{api.bucket}/{base}/other", "cs-s3").status_code == 202
 
 
-def test_an_unreachable_object_store_at_submit_is_a_503_with_retry_after(api: Service) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    url = api.start_api(AWS_ENDPOINT_URL=dead, CKPTCONV_TARGET_CHECK_TIMEOUT_SECONDS="2")
+def _submit_is_a_503(api: Service, endpoint: str, target_key: str) -> str:
+    """Through an API process whose object store is ``endpoint`` (its target check bounded to 2 s),
+    a submission is a 503 storage_unavailable with Retry-After; the API's URL."""
+    url = api.start_api(AWS_ENDPOINT_URL=endpoint, CKPTCONV_TARGET_CHECK_TIMEOUT_SECONDS="2")
     r = httpx.post(
         url + "/v1/jobs",
         json={
             "kind": "convert",
             "source": {"uri": f"s3://{api.bucket}/team/in/model.safetensors"},
-            "target": {"uri": f"s3://{api.bucket}/team/unreachable/model.mdl", "format": "cs-h5"},
+            "target": {"uri": f"s3://{api.bucket}/{target_key}", "format": "cs-h5"},
         },
         headers={"Authorization": f"Bearer {api.key}"},
         timeout=30,
     )
     assert r.status_code == 503 and r.json()["code"] == "storage_unavailable", r.text
     assert int(r.headers["retry-after"]) > 0 and r.json()["correlation_id"]
+    return url
+
+
+def test_an_unreachable_object_store_at_submit_is_a_503_with_retry_after(api: Service) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = _submit_is_a_503(api, dead, "team/unreachable/model.mdl")
 
     # A retry of a submission that did make a job gets that job back, outage or not.
     body = {
@@ -204,21 +211,7 @@ def test_an_object_store_that_never_answers_at_submit_is_a_503_within_the_check_
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
     try:
-        url = api.start_api(
-            AWS_ENDPOINT_URL=f"http://127.0.0.1:{stalled.getsockname()[1]}", CKPTCONV_TARGET_CHECK_TIMEOUT_SECONDS="2"
-        )
-        r = httpx.post(
-            url + "/v1/jobs",
-            json={
-                "kind": "convert",
-                "source": {"uri": f"s3://{api.bucket}/team/in/model.safetensors"},
-                "target": {"uri": f"s3://{api.bucket}/team/stalled/model.mdl", "format": "cs-h5"},
-            },
-            headers={"Authorization": f"Bearer {api.key}"},
-            timeout=30,
-        )
-        assert r.status_code == 503 and r.json()["code"] == "storage_unavailable", r.text
-        assert int(r.headers["retry-after"]) > 0 and r.json()["correlation_id"]
+        _submit_is_a_503(api, f"http://127.0.0.1:{stalled.getsockname()[1]}", "team/stalled/model.mdl")
         assert held  # the store was reached, and never answered
     finally:
         stop.set()
